@@ -1,0 +1,2 @@
+"""NInfer: a local LLM server."""
+__version__ = "0.1.0"

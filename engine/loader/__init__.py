@@ -1,0 +1,49 @@
+"""Reading a model from disk: a Hugging Face checkpoint directory or a GGUF file."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.base import CausalLM
+from .checkpoint import Checkpoint, GenerationDefaults
+
+log = logging.getLogger("ninfer.loader")
+
+__all__ = ["Checkpoint", "GenerationDefaults", "load_checkpoint", "load_model"]
+
+
+def load_checkpoint(path: str | Path | None) -> Checkpoint:
+    """Checkpoint at ``path``; the embedded default model when ``path`` is None."""
+    if path is None:
+        from .embedded import embedded_model_path
+
+        path = embedded_model_path()
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        from .gguf_loader import load_gguf
+
+        return load_gguf(p)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json: not a Hugging Face checkpoint directory")
+        from .hf_loader import load_hf_dir
+
+        return load_hf_dir(p)
+    if p.exists():
+        raise ValueError(f"{p} is neither a checkpoint directory nor a .gguf file")
+    raise FileNotFoundError(f"model path {p} does not exist")
+
+
+def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
+    from ..models.registry import build_model
+
+    start = time.perf_counter()
+    model = build_model(ckpt.config, dtype=dtype, device=device)
+    model.load_weights(ckpt.weights())
+    model.eval()
+    log.info("loaded %s (%s) on %s as %s in %.1f s", ckpt.source, ckpt.config.model_type, device,
+             str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    return model

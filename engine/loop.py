@@ -1,0 +1,115 @@
+"""The engine thread: the only place that mutates engine state.
+
+Other threads talk to it through ``submit`` / ``abort``, which only enqueue commands. Each request
+gets a sink callback that receives its ``RequestOutput`` objects, the last one with ``finished``.
+If a step raises, every live request receives an error output, ``failed`` is set, and
+``on_failure`` is called so the process can report it and exit.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .request import Request
+
+log = logging.getLogger("ninfer.engine")
+
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineFailedError(RuntimeError):
+    """The engine thread has stopped after a failure; no request can be served."""
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.on_failure = on_failure
+        self.failed: BaseException | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._submit_lock = threading.Lock()  # orders submit() against a failure
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        with self._submit_lock:
+            if self.failed is not None:
+                raise EngineFailedError(f"engine failed: {self.failed}")
+            self._commands.put(("add", request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    # ------------------------------------------------------------------ thread body
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    for out in self.engine.step():
+                        self._publish(out)
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the engine
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            with self._submit_lock:
+                self.failed = exc
+            self._fail_all(exc)
+            if self.on_failure is not None:
+                self.on_failure(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Every live or still-queued request ends with the error; none is left waiting."""
+        for request_id in list(self._sinks):
+            self._publish(RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc)))
+        while True:
+            try:
+                kind, arg, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                sink(RequestOutput(arg.request_id, finished=True, finish_reason="error", error=str(exc)))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, arg, sink: Sink | None) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_request(arg)
+            except ValueError as exc:
+                sink(RequestOutput(arg.request_id, finished=True, finish_reason="error", error=str(exc)))
+                return
+            self._sinks[arg.request_id] = sink
+        elif kind == "abort":
+            out = self.engine.abort(arg)
+            if out is not None:
+                self._publish(out)
+
+    def _publish(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if out.finished:
+            self._sinks.pop(out.request_id, None)
+        if sink is not None:
+            sink(out)

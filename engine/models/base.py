@@ -1,0 +1,69 @@
+"""What every model implementation shares: the batch it runs on and its interface.
+
+A forward pass runs on a flat run of tokens from one or more sequences (no padding). Token-wise
+work (projections, norms, MLPs) runs on the whole run at once; attention and the recurrent layers
+work per sequence on ``batch.slices`` with that sequence's cache.
+
+Cache contract: a model's ``forward`` appends what each layer needs to every sequence's cache and,
+once all layers have run, advances each ``cache.num_tokens`` by that sequence's new-token count
+(``ForwardBatch.advance_caches``). Callers never touch ``num_tokens`` themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache.sequence import SequenceCache
+from ..config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [N] int64, absolute position of every token
+    seq_lens: list[int]  # new tokens per sequence, sum == N
+    caches: list[SequenceCache]  # one per sequence, in the same order
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.seq_lens:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def advance_caches(self) -> None:
+        """Count the new tokens into each cache; a model calls this once, at the end of ``forward``."""
+        for cache, n in zip(self.caches, self.seq_lens):
+            cache.num_tokens += n
+
+    @classmethod
+    def single(cls, num_new: int, cache: SequenceCache, device: torch.device | str = "cpu") -> "ForwardBatch":
+        start = cache.num_tokens
+        positions = torch.arange(start, start + num_new, dtype=torch.long, device=device)
+        return cls(positions=positions, seq_lens=[num_new], caches=[cache])
+
+
+class CausalLM(nn.Module):
+    """Interface of a decoder-only model. Subclasses build their layers from ``ModelConfig``."""
+
+    config: ModelConfig
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states ``[N, hidden]`` after the final norm for the flat token run.
+
+        Appends to every cache in ``batch.caches`` and advances their ``num_tokens`` (see above)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (fp32) for the given rows of hidden states."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take checkpoint tensors under their Hugging Face names (prefixes already normalised)."""
+        raise NotImplementedError
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache(self.config.num_hidden_layers)

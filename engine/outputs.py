@@ -1,0 +1,22 @@
+"""What the engine publishes for a request after each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str = ""  # new text since the last output
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the last output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    # timings in seconds, filled on the final output
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None

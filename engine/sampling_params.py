@@ -1,0 +1,41 @@
+"""Per-request sampling and stopping parameters, validated where they are built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None = up to the context limit
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be between 0 and 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise SamplingParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
+        if any(not s for s in self.stop):
+            raise SamplingParamError("stop", "stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class SamplingParamError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

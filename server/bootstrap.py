@@ -1,0 +1,118 @@
+"""From command-line settings to a loaded model, a running engine and the gateway's state."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.engine import LLMEngine
+from ..engine.engine_config import EngineConfig
+from ..engine.frontend.chat_template import ChatTemplate, builtin_template
+from ..engine.frontend.tokenizer import Tokenizer
+from ..engine.loader import Checkpoint, load_checkpoint, load_model
+from ..engine.loop import EngineLoop
+from .state import SamplingDefaults, ServerState
+
+log = logging.getLogger("ninfer.server")
+
+MAX_DEFAULT_CONTEXT = 32768
+QWEN_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    from .cli import DTYPES
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def resolve_tokenizer(ckpt: Checkpoint, source: str | None) -> Tokenizer:
+    if source is None and ckpt.tokenizer is not None:
+        return ckpt.tokenizer
+    if source is None and ckpt.config.family in QWEN_FAMILIES:
+        source = "qwen3.6"
+    if source in ("qwen3.5", "qwen3.6"):
+        from ..engine.frontend.qwen_tiktoken import load_qwen_tiktoken
+
+        return load_qwen_tiktoken(source)
+    if source is not None and (Path(source) / "tokenizer.json").is_file():
+        from ..engine.frontend.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_dir(source)
+    raise ValueError(
+        f"{ckpt.source} has no tokenizer; pass --tokenizer DIR (with tokenizer.json) or --tokenizer qwen3.6"
+    )
+
+
+def resolve_template(ckpt: Checkpoint, tokenizer: Tokenizer, path: str | None) -> ChatTemplate:
+    if path is not None:
+        source = Path(path).read_text(encoding="utf-8")
+    elif ckpt.chat_template:
+        source = ckpt.chat_template
+    elif ckpt.config.family in QWEN_FAMILIES:
+        source = builtin_template("qwen3_5")
+    else:
+        raise ValueError(f"{ckpt.source} has no chat template; pass --chat-template FILE")
+    return ChatTemplate(source, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+
+
+def sampling_defaults(args: argparse.Namespace, ckpt: Checkpoint) -> SamplingDefaults:
+    gen = ckpt.generation
+    base = SamplingDefaults()
+
+    def pick(flag, from_config, fallback):
+        return flag if flag is not None else from_config if from_config is not None else fallback
+
+    return SamplingDefaults(
+        temperature=pick(args.temperature, gen.temperature, base.temperature),
+        top_p=pick(args.top_p, gen.top_p, base.top_p),
+        top_k=pick(args.top_k, gen.top_k, base.top_k),
+        min_p=pick(None, gen.min_p, base.min_p),
+    )
+
+
+def eos_ids(ckpt: Checkpoint, tokenizer: Tokenizer) -> frozenset[int]:
+    ids = set(ckpt.generation.eos_token_ids) | set(ckpt.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
+    from .cli import default_model_id
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    ckpt = load_checkpoint(args.model)
+    tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
+    template = resolve_template(ckpt, tokenizer, args.chat_template)
+    max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    config = EngineConfig(max_context=max_context, max_concurrency=args.max_concurrency,
+                          prefill_chunk=args.prefill_chunk, device=device, dtype=dtype)
+    model = load_model(ckpt, device, dtype)
+    loop = EngineLoop(LLMEngine(model, tokenizer, config))
+    state = ServerState(
+        engine=AsyncEngine(loop, config, eos_ids(ckpt, tokenizer)),
+        tokenizer=tokenizer,
+        template=template,
+        model_id=args.model_id or default_model_id(args.model),
+        max_context=max_context,
+        sampling=sampling_defaults(args, ckpt),
+        generation=ckpt.generation,
+        api_key=args.api_key,
+    )
+    return state, loop

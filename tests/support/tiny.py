@@ -1,0 +1,61 @@
+"""Tiny random checkpoints saved by transformers, with a small trained tokenizer and a chat template."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "Hello world! How are you today? I am fine, thank you. 你好，世界。 Emoji: 😀🚀",
+    "def add(a, b):\n    return a + b\n# numbers 0 1 2 3 4 5 6 7 8 9",
+] * 20
+
+
+def train_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def save_tokenizer(path: Path, vocab_size: int = 400) -> int:
+    tok = train_tokenizer(vocab_size)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+    }))
+    return tok.get_vocab_size()
+
+
+def save_tiny_llama(path: Path, seed: int = 0, tie: bool = False) -> Path:
+    """A 3-layer Llama with GQA and a 400-token BPE tokenizer, eos = <|im_end|> (id 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # loud random weights: sharp, varied next-token distributions
+    model.save_pretrained(path)
+    return path
