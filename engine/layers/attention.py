@@ -1,0 +1,116 @@
+"""Full causal attention (GQA) over a per-sequence KV cache, with the options Qwen models add.
+
+Options: per-head ``q_norm``/``k_norm`` (Qwen3: plain RMSNorm, Qwen3.5: zero-centred) and an output
+gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * sigmoid(gate))``).
+Projections, norms and RoPE run on the whole flat token run; the attention itself runs per sequence
+against that sequence's cache.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..models.base import ForwardBatch
+
+QK_NORM_KINDS = (None, "plain", "zero_centered")
+
+# Upper bound on the fp32 score matrix per query chunk, so long prompts do not need O(T*S) memory.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference attention for one sequence: ``q`` ``[T, H, D]`` (the newest T tokens),
+    ``k``/``v`` ``[S, Hkv, D]`` (all cached tokens, S >= T, the last T are the new ones).
+
+    Query ``i`` sits at cache position ``S - T + i`` and sees keys ``0 ..= S - T + i``. Query head
+    ``h`` reads KV head ``h // (H / Hkv)``. Scores, softmax and the weighted sum run in fp32; the
+    result ``[T, H, D]`` is in ``q``'s dtype.
+    """
+    t, h, d = q.shape
+    s, hkv, _ = k.shape
+    if s < t or h % hkv:
+        raise ValueError(f"bad attention shapes q={tuple(q.shape)} k={tuple(k.shape)}")
+    group = h // hkv
+    k32 = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    v32 = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    q32 = q.float().transpose(0, 1)  # [H, T, D]
+    key_pos = torch.arange(s, device=q.device)
+    out = torch.empty(h, t, d, dtype=torch.float32, device=q.device)
+    chunk = max(1, _MAX_SCORE_ELEMENTS // max(h * s, 1))
+    for start in range(0, t, chunk):  # chunks of queries only bound memory; usually one pass
+        end = min(t, start + chunk)
+        query_pos = torch.arange(s - t + start, s - t + end, device=q.device)
+        scores = torch.matmul(q32[:, start:end], k32.transpose(1, 2)) * scale  # [H, t', S]
+        future = key_pos[None, :] > query_pos[:, None]  # [t', S]
+        scores = scores.masked_fill(future, float("-inf"))
+        out[:, start:end] = torch.matmul(torch.softmax(scores, dim=-1), v32)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qk_norm: str | None = None,
+        gated: bool = False,
+        bias: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if qk_norm not in QK_NORM_KINDS:
+            raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {qk_norm!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.gated = gated
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        q_out = num_heads * head_dim * (2 if gated else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm is not None:
+            zero_centered = qk_norm == "zero_centered"
+            self.q_norm = RMSNorm(head_dim, eps, zero_centered)
+            self.k_norm = RMSNorm(head_dim, eps, zero_centered)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; appends K/V to each cache."""
+        n = hidden.shape[0]
+        q = self.q_proj(hidden)
+        gate = None
+        if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
+            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            gate = gate.reshape(n, self.num_heads * self.head_dim)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+
+        out = torch.empty_like(q)
+        for (start, end), cache in zip(batch.slices, batch.caches):
+            keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
+            out[start:end] = causal_attention(q[start:end], keys, values, self.scale)
+        out = out.reshape(n, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -1,0 +1,33 @@
+"""RMSNorm, plain (``w``) or zero-centred (``1 + w``, Qwen3.5), always computed in fp32."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * scale`` over the last dimension.
+
+    ``scale`` is ``weight`` (plain, initialised to ones) or ``1 + weight`` (``zero_centered``, as
+    Qwen3.5 stores it, initialised to zeros). The whole computation runs in fp32 and the result is
+    cast back to the input's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.zero_centered = zero_centered
+        init = torch.zeros(dim) if zero_centered else torch.ones(dim)
+        self.weight = nn.Parameter(init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        scale = self.weight.float()
+        if self.zero_centered:
+            scale = 1.0 + scale
+        return (x32 * scale).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, zero_centered={self.zero_centered}"

@@ -1,0 +1,102 @@
+"""Rotary position embedding (neox / rotate-half layout) on the first ``rotary_dim`` dims.
+
+Frequencies ``base ** (-2i / rotary_dim)`` for ``i < rotary_dim / 2``, optionally rescaled
+(``linear`` or ``llama3``). The pair for frequency ``i`` is dims ``(i, i + rotary_dim/2)`` of the
+rotated part; dims past ``rotary_dim`` (partial rotary, Qwen3.5) pass through unchanged.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` in fp32 on the CPU, scaling applied."""
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_context / low_freq_factor  # longer than this: fully scaled
+    high_freq_wavelen = old_context / high_freq_factor  # shorter than this: unchanged
+    # ramp from 0 (fully scaled) to 1 (unchanged) across the medium band
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, medium)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` dims of q ``[N, H, D]`` and k ``[N, Hkv, D]`` by position.
+
+    Holds no parameters or buffers (the frequencies are a fixed CPU tensor, copied once per device),
+    so a model built on the ``meta`` device needs nothing re-initialised. The rotation is computed
+    in fp32 and cast back to the input dtype.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+        max_positions: int = 4096,
+    ) -> None:
+        super().__init__()
+        if not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be in (0, head_dim={head_dim}]")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.base = base
+        self.max_positions = max_positions
+        self.inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)  # not a buffer: see class doc
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos`` and ``sin``, each ``[N, rotary_dim // 2]``, for ``positions`` ``[N]``."""
+        inv_freq = self._inv_freq_by_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device[positions.device] = self.inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        return angles.cos(), angles.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rotary_dim // 2
+        x32 = x.float()
+        x1, x2, rest = x32[..., :half], x32[..., half : self.rotary_dim], x32[..., self.rotary_dim :]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        return rotated.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}"

@@ -1,0 +1,131 @@
+"""Read a Hugging Face model directory: config, safetensors weights (lazily), tokenizer, defaults.
+
+Weight names are normalised to what the text models expect: ``model.language_model.X`` (saved by
+``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. Parts we do not run yet (MTP heads,
+vision towers) are skipped and reported once; any other tensor goes to the model's
+``load_weights``, which rejects what it does not know.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from .checkpoint import Checkpoint, GenerationDefaults
+
+log = logging.getLogger("ninfer.loader")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# weight groups that belong to parts we do not run yet (checked on the names as saved)
+SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
+_RENAMES = (("model.language_model.", "model."),)
+
+
+def normalise_name(name: str) -> str:
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def skipped_prefix(name: str) -> str | None:
+    """The skipped group ``name`` (as saved) belongs to, or None."""
+    return next((p for p in SKIPPED_PREFIXES if name.startswith(p)), None)
+
+
+def weight_files(path: str) -> dict[str, list[str]]:
+    """Safetensors file -> tensor names in it, for a single-file or sharded checkpoint."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return {os.path.join(path, f): names for f, names in sorted(files.items())}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        with safe_open(single, framework="pt") as f:
+            return {single: list(f.keys())}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def iter_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``."""
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                if skipped_prefix(name) is None:
+                    yield normalise_name(name), f.get_tensor(name)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def generation_defaults(path: str, config: ModelConfig) -> GenerationDefaults:
+    """From ``generation_config.json``; stop ids fall back to the config's eos ids."""
+    gen = _read_json(os.path.join(path, "generation_config.json")) or {}
+    eos = gen.get("eos_token_id")
+    if eos is None:
+        eos_ids = list(config.eos_token_ids)
+    else:
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def num(key: str, kind: type) -> Any:
+        value = gen.get(key)
+        return None if value is None else kind(value)
+
+    return GenerationDefaults(
+        eos_token_ids=eos_ids,
+        temperature=num("temperature", float),
+        top_p=num("top_p", float),
+        top_k=num("top_k", int),
+        min_p=num("min_p", float),
+        repetition_penalty=num("repetition_penalty", float),
+    )
+
+
+def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
+    """A ``Checkpoint`` for a Hugging Face directory; weights are read only when iterated.
+
+    Raises ``UnsupportedModelError`` (from ``ModelConfig``) for an unknown ``model_type``. Without
+    ``tokenizer.json`` the checkpoint has no tokenizer and the caller decides what to use.
+    """
+    path = os.fspath(path)
+    cfg = _read_json(os.path.join(path, "config.json"))
+    if cfg is None:
+        raise FileNotFoundError(f"no config.json in {path}")
+    config = ModelConfig.from_hf_dict(cfg)
+
+    files = weight_files(path)
+    skipped = Counter(p for names in files.values() for p in map(skipped_prefix, names) if p)
+    for prefix, count in skipped.items():
+        log.info("skipping %d tensors under %r (not run by this engine yet)", count, prefix)
+
+    tokenizer, chat_template = None, None
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        from ..frontend.hf_tokenizer import HFTokenizer, chat_template_from_dir
+
+        tokenizer = HFTokenizer.from_dir(path)
+        chat_template = chat_template_from_dir(path)
+
+    return Checkpoint(
+        config=config,
+        weights=lambda: iter_weights(files),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        generation=generation_defaults(path, config),
+        source=path,
+        skipped_prefixes=tuple(skipped),
+    )

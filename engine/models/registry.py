@@ -1,0 +1,56 @@
+"""``ModelConfig.family`` -> model class, built without wasting time on random initialisation."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig, UnsupportedModelError
+from .base import CausalLM
+
+
+def model_class(family: str) -> type[CausalLM]:
+    """The class for a family; hybrid families are imported only when asked for."""
+    if family == "llama":
+        from .llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if family == "qwen3":
+        from .qwen3 import Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        from . import qwen3_5
+
+        return _pick(qwen3_5, family)
+    if family == "qwen3_next":
+        from . import qwen3_next
+
+        return _pick(qwen3_next, family)
+    raise UnsupportedModelError(f"no model implementation for family {family!r}")
+
+
+def _pick(module, family: str) -> type[CausalLM]:
+    """The family's class by its agreed name in the hybrid-model modules."""
+    names = {
+        "qwen3_5": "Qwen3_5ForCausalLM",
+        "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+        "qwen3_next": "Qwen3NextForCausalLM",
+    }
+    cls = getattr(module, names[family], None)
+    if cls is None:
+        raise UnsupportedModelError(f"{module.__name__} has no {names[family]} for family {family!r}")
+    return cls
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """An uninitialised model of ``dtype`` on ``device``, in eval mode; call ``load_weights`` next.
+
+    The modules are created on the ``meta`` device (no memory, no random init) and then given
+    empty storage on ``device``, so parameter values are garbage until the checkpoint is loaded.
+    """
+    cls = model_class(config.family)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,45 @@
+"""Copying checkpoint tensors into a model's parameters, with the checks every model wants."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def load_parameters(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    skip: Callable[[str], bool] | None = None,
+) -> None:
+    """Copy each ``(name, tensor)`` into the parameter of that name, converting dtype and device.
+
+    Raises ``ValueError`` for a name the model does not have, a shape mismatch (naming the tensor),
+    a tensor given twice, and at the end for parameters that were never given. Names for which
+    ``skip(name)`` is true are ignored (e.g. ``lm_head.weight`` in a tied checkpoint). Parameters
+    shared between modules count once, under their first name.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if skip is not None and skip(name):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no matching parameter in {type(module).__name__}"
+                )
+            if name in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} given twice")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                    f"model {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing parameters: {shown}")
