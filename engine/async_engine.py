@@ -1,4 +1,4 @@
-"""The asyncio face of the engine for the HTTP gateway."""
+"""The asyncio face of the engine for the HTTP gateway: submission, admission limits, cancellation."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,14 @@ from .sampling_params import SamplingParams
 
 
 class EngineError(RuntimeError):
-    """The engine rejected or failed a request; ``str`` is safe to show to the client."""
+    """The engine rejected or failed a request; ``str`` is safe to show to the client.
+
+    ``code``: ``server_overloaded`` (too many outstanding requests), ``request_queue_timeout``
+    (not admitted in time), ``engine_failed`` (the engine has stopped), or ``invalid_request``."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class AsyncEngine:
@@ -21,15 +28,23 @@ class AsyncEngine:
         self.loop = loop
         self.config = config
         self.eos_ids = eos_ids
+        self.outstanding = 0  # submitted and not yet finished; touched only on the event loop
 
     @property
     def healthy(self) -> bool:
         return self.loop.failed is None
 
+    @property
+    def capacity(self) -> int:
+        return self.config.max_concurrency + self.config.max_pending
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request."""
+        if self.outstanding >= self.capacity:
+            raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
+                              "server_overloaded")
         request_id = request_id or uuid.uuid4().hex
         aio = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -40,6 +55,7 @@ class AsyncEngine:
             max_total_tokens=self.config.max_context,
             eos_ids=self.eos_ids,
         )
+
         def sink(out: RequestOutput) -> None:
             try:
                 aio.call_soon_threadsafe(outputs.put_nowait, out)
@@ -49,18 +65,21 @@ class AsyncEngine:
         try:
             self.loop.submit(request, sink)
         except EngineFailedError as exc:
-            raise EngineError(str(exc)) from exc
+            raise EngineError(str(exc), "engine_failed") from exc
+        self.outstanding += 1
         finished = False
         try:
             while True:
                 out = await outputs.get()
                 if out.finished and out.finish_reason == "error":
                     finished = True
-                    raise EngineError(out.error or "engine error")
+                    code = out.error_code or ("engine_failed" if not self.healthy else "invalid_request")
+                    raise EngineError(out.error or "engine error", code)
                 yield out
                 if out.finished:
                     finished = True
                     return
         finally:
+            self.outstanding -= 1
             if not finished:
                 self.loop.abort(request_id)

@@ -6,17 +6,19 @@ schedule -> run the model on a flat batch -> sample -> postprocess (detokenize, 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
+from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
+from .memory import plan_kv_pages
 from .models.base import CausalLM, ForwardBatch
 from .outputs import RequestOutput
 from .request import FinishReason, Request, Status
 from .sampler import make_generator, sample
+from .scheduler import Scheduler
 
 
 class LLMEngine:
@@ -25,8 +27,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = torch.device(config.device)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        num_pages = plan_kv_pages(model.config, config)
+        self.caches = CacheManager(model.config, num_pages, config.page_size, config.max_concurrency,
+                                   config.dtype, self.device, config.host_cache_mib << 20)
+        self.scheduler = Scheduler(config, self.caches)
         self._processors: dict[str, OutputProcessor] = {}
 
     # ------------------------------------------------------------------ requests
@@ -41,70 +45,55 @@ class LLMEngine:
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
         )
-        self.waiting.append(request)
+        self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        for queue in (self.waiting, self.running):
-            for req in list(queue):
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    req.finish(FinishReason.ABORT)
-                    return self._final_output(req, "")
+        for req in self.scheduler.running + self.scheduler.waiting:
+            if req.request_id == request_id:
+                return self._finish(req, FinishReason.ABORT, None, "")
         return None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        self._admit()
-        scheduled = self._schedule()
-        if not scheduled:
-            return []
-        ids, lens, caches, positions = [], [], [], []
-        for req, n in scheduled:
-            new = req.all_ids[req.num_computed : req.num_computed + n]
-            ids.extend(new)
-            lens.append(n)
-            caches.append(req.cache)
+        outputs = [self._expire(r) for r in self.scheduler.expired()]
+        plan = self.scheduler.schedule()
+        outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids))
+                    for r in self.scheduler.admitted]
+        if not plan:
+            return outputs
+        ids, positions = [], []
+        for req, n in plan:
+            ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
             positions.extend(range(req.num_computed, req.num_computed + n))
         batch = ForwardBatch(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            seq_lens=lens,
-            caches=caches,
+            seq_lens=[n for _, n in plan],
+            caches=[req.cache for req, _ in plan],
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
-            last_rows, sampling = [], []
-            end = 0
-            for (req, n), _ in zip(scheduled, lens):
+            rows, sampling, end = [], [], 0
+            for req, n in plan:
                 end += n
                 req.num_computed += n
-                if req.num_computed >= req.num_tokens:  # prompt done: this row yields a token
-                    last_rows.append(end - 1)
+                if req.num_computed == req.num_tokens:  # everything known is computed: sample
+                    rows.append(end - 1)
                     sampling.append(req)
-            logits = self.model.compute_logits(hidden[last_rows]) if last_rows else None
-        tokens = (
-            sample(logits, [r.params for r in sampling], [r.generator for r in sampling]) if sampling else []
-        )
-        return self._postprocess(sampling, tokens)
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_concurrency:
-            req = self.waiting.popleft()
-            req.status = Status.PREFILL
-            req.cache = self.model.new_cache()
-            self.running.append(req)
-
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """Every decode-ready sequence gets one token; the oldest prefill gets one chunk."""
-        out: list[tuple[Request, int]] = [(r, 1) for r in self.running if r.status is Status.DECODE]
-        for req in self.running:
-            if req.status is Status.PREFILL:
-                out.append((req, min(req.num_prompt_remaining, self.config.prefill_chunk)))
-                break
-        return out
+            logits = self.model.compute_logits(hidden[rows]) if rows else None
+        tokens = sample(logits, sampling) if sampling else []
+        return outputs + self._postprocess(sampling, tokens)
 
     def _postprocess(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs = []
@@ -112,7 +101,8 @@ class LLMEngine:
         for req, token in zip(reqs, tokens):
             if req.status is Status.PREFILL:
                 req.status = Status.DECODE
-                req.prefill_done_time = now
+                if req.prefill_done_time is None:
+                    req.prefill_done_time = now
                 if req.params.max_tokens == 0:  # prompt only
                     outputs.append(self._finish(req, FinishReason.LENGTH, None, ""))
                     continue
@@ -123,38 +113,42 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         params = req.params
-        if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            req.output_ids.append(token)
-            return self._finish(req, FinishReason.STOP, token, self._processors[req.request_id].flush())
         req.output_ids.append(token)
-        text, matched = self._processors[req.request_id].push(token)
+        processor = self._processors[req.request_id]
+        if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return self._finish(req, FinishReason.STOP, token, processor.flush())
+        text, matched = processor.push(token)
         if matched is not None:
             return self._finish(req, FinishReason.STOP, matched, text)
         hit_max = params.max_tokens is not None and len(req.output_ids) >= params.max_tokens
         if hit_max or req.num_tokens >= req.max_total_tokens:
-            return self._finish(req, FinishReason.LENGTH, None, text + self._processors[req.request_id].flush())
-        return RequestOutput(req.request_id, text=text, token_ids=[token], completion_tokens=len(req.output_ids),
-                             prompt_tokens=len(req.prompt_ids))
+            return self._finish(req, FinishReason.LENGTH, None, text + processor.flush())
+        return RequestOutput(req.request_id, text=text, token_ids=[token], prompt_tokens=len(req.prompt_ids),
+                             completion_tokens=len(req.output_ids))
 
-    def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str) -> RequestOutput:
-        self.running.remove(req)
+    def _expire(self, req: Request) -> RequestOutput:
+        req.error_code = "request_queue_timeout"
+        return self._finish(req, FinishReason.ERROR, None, "",
+                            error=f"request was not admitted within {self.config.pending_timeout_s:g} s")
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str,
+                error: str | None = None) -> RequestOutput:
+        self.scheduler.remove(req)
         req.finish(reason, stop_reason)
-        return self._final_output(req, text, [req.output_ids[-1]] if req.output_ids else [])
-
-    def _final_output(self, req: Request, text: str, token_ids: list[int] | None = None) -> RequestOutput:
         self._processors.pop(req.request_id, None)
-        start_run = req.arrival
         prefill_end = req.prefill_done_time
+        token_ids = [req.output_ids[-1]] if req.output_ids and reason is not FinishReason.ABORT else []
         return RequestOutput(
             req.request_id,
             text=text,
-            token_ids=token_ids or [],
+            token_ids=token_ids,
             finished=True,
-            finish_reason=req.finish_reason.value,
+            finish_reason=reason.value,
             stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
-            queue_time=None,
-            prefill_time=None if prefill_end is None else prefill_end - start_run,
+            error=error,
+            error_code=req.error_code,
+            prefill_time=None if prefill_end is None else prefill_end - req.arrival,
             decode_time=None if prefill_end is None else (req.finish_time or prefill_end) - prefill_end,
         )

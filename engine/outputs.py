@@ -10,13 +10,14 @@ class RequestOutput:
     text: str = ""  # new text since the last output
     token_ids: list[int] = field(default_factory=list)  # new tokens since the last output
     finished: bool = False
+    admitted: bool = False  # the one output saying the request has left the queue
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # e.g. "request_queue_timeout"
     # timings in seconds, filled on the final output
-    queue_time: float | None = None
     prefill_time: float | None = None
     decode_time: float | None = None

@@ -5,17 +5,18 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .cache.sequence import SequenceCache
 from .sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
+    WAITING = "waiting"  # never admitted yet
+    PREFILL = "prefill"  # computing prompt (or replaying) tokens
+    DECODE = "decode"  # one token per step
+    PAUSED = "paused"  # preempted: waits to be resumed from a snapshot or by replay
     FINISHED = "finished"
 
 
@@ -23,7 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos token or stop string
     LENGTH = "length"  # max_tokens or context limit
     ABORT = "abort"  # cancelled by the client
-    ERROR = "error"
+    ERROR = "error"  # rejected or failed; ``error_code`` says why
 
 
 _ids = itertools.count()
@@ -41,14 +42,16 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose effect is in the cache
-    cache: SequenceCache | None = None
+    cache: Any = None  # PagedSequenceCache while running
+    snapshot: Any = None  # HostSnapshot while paused with its state on the host
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # matched stop string or stop token id
     first_token_time: float | None = None
     prefill_done_time: float | None = None
     finish_time: float | None = None
-    cancelled: bool = False
+    error_code: str | None = None
+    times_paused: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -59,8 +62,13 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_prompt_remaining(self) -> int:
-        return max(len(self.prompt_ids) - self.num_computed, 0)
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def decode_ready(self) -> bool:
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
 
     @property
     def is_finished(self) -> bool:
@@ -73,4 +81,3 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finish_time = time.monotonic()
-        self.cache = None

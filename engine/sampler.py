@@ -1,4 +1,5 @@
-"""Token selection from logits, per request: greedy, or temperature / top-k / top-p / min-p.
+"""Token selection from logits, per request: penalties, then greedy or temperature / top-k /
+top-p / min-p sampling.
 
 Each request samples with its own ``torch.Generator`` so that its output depends on its own seed
 only, never on what else is in the batch.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .request import Request
 from .sampling_params import SamplingParams
 
 
@@ -21,10 +23,25 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """Repetition penalty over prompt + output (divide positive / multiply negative logits);
+    presence and frequency penalties over the output only, as OpenAI defines them."""
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids = torch.tensor(output_ids, device=logits.device)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p and min-p."""
     logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+    if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -38,13 +55,15 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum()
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample_one(logits: torch.Tensor, req: Request) -> int:
+    params = req.params
+    logits = apply_penalties(logits.float().clone(), params, req.prompt_ids, req.output_ids)
     if params.greedy:
         return int(torch.argmax(logits).item())
     probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]``."""
-    return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``."""
+    return [sample_one(logits[i], req) for i, req in enumerate(reqs)]

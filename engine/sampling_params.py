@@ -10,6 +10,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = None  # None = up to the context limit
     stop: list[str] = field(default_factory=list)
@@ -22,6 +25,9 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be between 0 and 1"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:

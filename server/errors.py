@@ -42,6 +42,14 @@ def unsupported(param: str, what: str | None = None) -> APIError:
     return APIError(400, f"'{param}' is not supported{': ' + what if what else ''}", param, "unsupported_parameter")
 
 
+_ENGINE_STATUS = {"server_overloaded": 429, "request_queue_timeout": 503, "engine_failed": 503}
+
+
+def engine_error(exc) -> APIError:
+    """An ``EngineError`` as the HTTP error a client should see."""
+    return APIError(_ENGINE_STATUS.get(exc.code, 400), str(exc), None, exc.code)
+
+
 def loc_to_param(loc: tuple[Any, ...]) -> str | None:
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
     out = ""

@@ -18,6 +18,7 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass

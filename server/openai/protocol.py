@@ -58,10 +58,11 @@ class ChatCompletionRequest(BaseModel):
     enable_thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # fields of the OpenAI API that this server does not implement yet: only neutral values pass
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -83,10 +84,6 @@ class ChatCompletionRequest(BaseModel):
             raise unsupported("logprobs")
         if self.top_logprobs:
             raise unsupported("top_logprobs")
-        if self.frequency_penalty:
-            raise unsupported("frequency_penalty")
-        if self.presence_penalty:
-            raise unsupported("presence_penalty")
         if self.tools:
             raise unsupported("tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -122,6 +119,10 @@ class ChatCompletionRequest(BaseModel):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=defaults.repetition_penalty if self.repetition_penalty is None
+            else self.repetition_penalty,
             seed=self.seed,
             max_tokens=max_tokens,
             stop=list(self.stop or []),

@@ -38,7 +38,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     chat = serving.PreparedChat(body, state)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(serving.stream(state, chat, include_usage), media_type="text/event-stream",
+        outputs = await _cancel_on_disconnect(request, serving.start(state, chat))
+        return StreamingResponse(serving.stream(chat, outputs, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return JSONResponse(await _cancel_on_disconnect(request, serving.complete(state, chat)))
 

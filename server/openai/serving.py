@@ -10,7 +10,7 @@ from ...engine.async_engine import EngineError
 from ...engine.frontend.chat_template import TemplateError
 from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import SamplingParamError
-from ..errors import APIError
+from ..errors import APIError, engine_error
 from ..state import ServerState
 from .protocol import ChatCompletionRequest
 
@@ -74,7 +74,16 @@ async def _run(state: ServerState, chat: PreparedChat) -> AsyncIterator[RequestO
         async for out in state.engine.generate(chat.prompt_ids, chat.params, chat.id):
             yield out
     except EngineError as exc:
-        raise APIError(503 if not state.engine.healthy else 400, str(exc), None, "engine_error") from exc
+        raise engine_error(exc) from exc
+
+
+async def start(state: ServerState, chat: PreparedChat) -> AsyncIterator[RequestOutput]:
+    """Submit and wait for admission, so that overload and queue timeouts are HTTP errors."""
+    outputs = _run(state, chat)
+    first = await anext(outputs)
+    if not first.admitted:
+        raise RuntimeError("engine published output before admission")
+    return outputs
 
 
 async def complete(state: ServerState, chat: PreparedChat) -> dict[str, Any]:
@@ -103,7 +112,8 @@ async def complete(state: ServerState, chat: PreparedChat) -> dict[str, Any]:
     return body
 
 
-async def stream(state: ServerState, chat: PreparedChat, include_usage: bool) -> AsyncIterator[str]:
+async def stream(chat: PreparedChat, outputs: AsyncIterator[RequestOutput], include_usage: bool
+                 ) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         body = {
             "id": chat.id,
@@ -117,7 +127,7 @@ async def stream(state: ServerState, chat: PreparedChat, include_usage: bool) ->
 
     yield chunk({"role": "assistant", "content": ""})
     try:
-        async for out in _run(state, chat):
+        async for out in outputs:
             if out.text:
                 yield chunk({"content": out.text})
             if out.finished:

@@ -126,7 +126,8 @@ def test_seed_makes_sampling_repeatable(client):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"logprobs": True}, 400, "logprobs"),
         ({"n": 2}, 400, "n"),
-        ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+        ({"top_logprobs": 3}, 400, "top_logprobs"),
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )

@@ -1,0 +1,155 @@
+"""Owns the KV page pool and the state-slot pool; opens, grows, pauses and closes sequence caches.
+
+Accounting is exact: after every request has finished or been cancelled, ``idle()`` holds.
+Pausing a sequence either snapshots its pages and slot to host memory (within
+``host_cache_bytes``) or drops them, in which case the engine rebuilds it by replaying tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from .kv_pool import PagedKVPool
+from .paged import PagedSequenceCache
+from .state_pool import StateSlotPool
+
+
+@dataclass
+class HostSnapshot:
+    num_tokens: int
+    keys: torch.Tensor | None  # [L_attn, pages, P, Hkv, D]
+    values: torch.Tensor | None
+    conv: torch.Tensor | None  # [L_gdn, W-1, C]
+    recurrent: torch.Tensor | None  # [L_gdn, Hv, K, V]
+    nbytes: int
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class CacheManager:
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0) -> None:
+        types = config.layer_types
+        self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
+        self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
+        self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
+                              config.head_dim, dtype, device) if self.attn_ordinal else None
+        self.states = StateSlotPool(len(self.gdn_ordinal), num_slots, *state_shapes(config), dtype,
+                                    device) if self.gdn_ordinal else None
+        self.host_cache_bytes = host_cache_bytes
+        self.host_bytes_used = 0
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size if self.kv else 1
+
+    @property
+    def free_pages(self) -> int:
+        return self.kv.num_free if self.kv else 1 << 30
+
+    @property
+    def free_slots(self) -> int:
+        return self.states.num_free if self.states else 1 << 30
+
+    def pages_needed(self, cache: PagedSequenceCache | None, total_tokens: int) -> int:
+        if self.kv is None:
+            return 0
+        have = len(cache.pages) if cache is not None else 0
+        return max(self.kv.pages_for(total_tokens) - have, 0)
+
+    def idle(self) -> bool:
+        pages_ok = self.kv is None or self.kv.num_free == self.kv.num_pages
+        slots_ok = self.states is None or self.states.num_free == self.states.num_slots
+        return pages_ok and slots_ok and self.host_bytes_used == 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> PagedSequenceCache:
+        cache = PagedSequenceCache(self.kv, self.states, self.attn_ordinal, self.gdn_ordinal)
+        if self.states is not None:
+            cache.slot = self.states.acquire()
+        return cache
+
+    def reserve(self, cache: PagedSequenceCache, total_tokens: int) -> bool:
+        """Make room for ``total_tokens`` tokens; False (and nothing taken) when pages run out."""
+        need = self.pages_needed(cache, total_tokens)
+        if need > self.free_pages:
+            return False
+        if need:
+            cache.pages.extend(self.kv.allocate(need))
+        return True
+
+    def close(self, cache: PagedSequenceCache | None) -> None:
+        if cache is None:
+            return
+        if self.kv is not None and cache.pages:
+            self.kv.release(cache.pages)
+        if self.states is not None and cache.slot is not None:
+            self.states.release(cache.slot)
+            cache.slot = None
+
+    # ------------------------------------------------------------------ pausing
+    def snapshot_bytes(self, cache: PagedSequenceCache) -> int:
+        kv = 0 if self.kv is None else len(cache.pages) * PagedKVPool.bytes_per_page(
+            len(self.attn_ordinal), self.kv.page_size, self.kv.keys.shape[3], self.kv.keys.shape[4],
+            self.kv.keys.dtype)
+        st = 0 if self.states is None else _nbytes(self.states.conv[:, 0], self.states.recurrent[:, 0])
+        return kv + st
+
+    def pause(self, cache: PagedSequenceCache) -> HostSnapshot | None:
+        """Free the cache's device resources; a host snapshot when the budget allows, else None."""
+        snap = None
+        if self.host_bytes_used + self.snapshot_bytes(cache) <= self.host_cache_bytes:
+            idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device) if self.kv else None
+            snap = HostSnapshot(
+                num_tokens=cache.num_tokens,
+                keys=self.kv.keys[:, idx].to("cpu") if self.kv else None,
+                values=self.kv.values[:, idx].to("cpu") if self.kv else None,
+                conv=self.states.conv[:, cache.slot].to("cpu") if self.states else None,
+                recurrent=self.states.recurrent[:, cache.slot].to("cpu") if self.states else None,
+                nbytes=0,
+            )
+            snap.nbytes = _nbytes(snap.keys, snap.values, snap.conv, snap.recurrent)
+            self.host_bytes_used += snap.nbytes
+        self.close(cache)
+        return snap
+
+    def can_restore(self, snap: HostSnapshot) -> bool:
+        pages = 0 if snap.keys is None else snap.keys.shape[1]
+        return pages <= self.free_pages and (self.states is None or self.free_slots > 0)
+
+    def restore(self, snap: HostSnapshot) -> PagedSequenceCache:
+        cache = self.open()
+        if self.kv is not None:
+            cache.pages = self.kv.allocate(snap.keys.shape[1])
+            idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device)
+            self.kv.keys[:, idx] = snap.keys.to(self.kv.keys.device)
+            self.kv.values[:, idx] = snap.values.to(self.kv.values.device)
+        if self.states is not None:
+            self.states.conv[:, cache.slot] = snap.conv.to(self.states.conv.device)
+            self.states.recurrent[:, cache.slot] = snap.recurrent.to(self.states.recurrent.device)
+        cache.num_tokens = snap.num_tokens
+        self.discard(snap)
+        return cache
+
+    def discard(self, snap: HostSnapshot | None) -> None:
+        if snap is not None:
+            self.host_bytes_used -= snap.nbytes
+            snap.nbytes = 0
+
+
+def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (config.linear_conv_kernel_dim - 1, 2 * key_dim + value_dim)
+    recurrent = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    return conv, recurrent
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    n_attn = sum(t == "full_attention" for t in config.layer_types)
+    return PagedKVPool.bytes_per_page(n_attn, 1, config.num_key_value_heads, config.head_dim, dtype)

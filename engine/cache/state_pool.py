@@ -1,0 +1,50 @@
+"""Fixed slots for the Gated DeltaNet layers' state, allocated once at startup.
+
+Slot ``s`` of GDN layer ordinal ``g``: ``conv[g, s]`` ``[kernel - 1, conv_dim]`` (raw pre-conv qkv
+of the last tokens) and ``recurrent[g, s]`` ``[Hv, K, V]`` in fp32. A running hybrid sequence
+holds exactly one slot; a slot is zeroed when handed out.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    pass
+
+
+class StateSlotPool:
+    def __init__(self, num_gdn_layers: int, num_slots: int, conv_shape: tuple[int, int],
+                 recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_slots = num_slots
+        self.num_gdn_layers = num_gdn_layers
+        self.conv = torch.zeros((num_gdn_layers, num_slots, *conv_shape), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((num_gdn_layers, num_slots, *recurrent_shape), dtype=torch.float32,
+                                     device=device)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_slot(num_gdn_layers: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
+                       dtype: torch.dtype) -> int:
+        conv = conv_shape[0] * conv_shape[1] * torch.empty((), dtype=dtype).element_size()
+        rec = recurrent_shape[0] * recurrent_shape[1] * recurrent_shape[2] * 4
+        return num_gdn_layers * (conv + rec)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise OutOfSlotsError("no free state slot")
+        slot = self._free.pop()
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)

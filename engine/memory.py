@@ -1,0 +1,53 @@
+"""How many KV pages to allocate at startup: a fixed ``kv_capacity`` or what free memory allows."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cache.manager import kv_bytes_per_token, state_shapes
+from .cache.state_pool import StateSlotPool
+from .config import ModelConfig
+from .engine_config import EngineConfig
+
+DEVICE_FRACTION = 0.90  # of free GPU memory after weights, for state slots + KV + workspace
+HOST_FRACTION = 0.25  # of available RAM when running on the CPU
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEVICE_FRACTION)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 8 << 30
+    return int(avail * HOST_FRACTION)
+
+
+def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """Activations of one prefill chunk, generously: a few hidden-sized and one logits-sized buffer."""
+    elt = torch.empty((), dtype=config.dtype).element_size()
+    inter = max(model.intermediate_size, model.moe_intermediate_size * max(model.num_experts_per_tok, 1))
+    return config.prefill_chunk * (8 * model.hidden_size + 3 * inter) * elt + config.max_concurrency * model.vocab_size * 4
+
+
+def plan_kv_pages(model: ModelConfig, config: EngineConfig) -> int:
+    page = config.page_size
+    if config.kv_capacity is not None:
+        return -(-config.kv_capacity // page)
+    per_token = kv_bytes_per_token(model, config.dtype)
+    if per_token == 0:  # no full-attention layers
+        return 1
+    slots = 0
+    if model.is_hybrid:
+        n_gdn = sum(t == "linear_attention" for t in model.layer_types)
+        slots = config.max_concurrency * StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype)
+    budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
+    tokens = min(budget // per_token, config.max_concurrency * config.max_context)
+    if tokens < config.max_context:
+        raise ValueError(
+            f"free memory holds a KV cache of {max(tokens, 0)} tokens, less than max_context "
+            f"({config.max_context}); lower --max-context or --max-concurrency, or set --kv-capacity"
+        )
+    return -(-tokens // page)
