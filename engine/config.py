@@ -100,9 +100,12 @@ class ModelConfig:
         family = SUPPORTED_MODEL_TYPES[model_type]
         top = cfg
         text = dict(cfg.get("text_config") or cfg)  # multimodal saves nest the LM config
-        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        for key in ("bos_token_id", "eos_token_id"):
             if key not in text and key in top:
                 text[key] = top[key]
+        if "text_config" in top and "tie_word_embeddings" in top:
+            # a multimodal save ties (or not) by its top-level flag, whatever text_config says
+            text["tie_word_embeddings"] = top["tie_word_embeddings"]
 
         def get(key: str, default: Any = None) -> Any:
             value = text.get(key)

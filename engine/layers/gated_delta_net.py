@@ -1,0 +1,145 @@
+"""Gated DeltaNet token mixer (``linear_attn``) of Qwen3.5 and Qwen3-Next, with HF parameter names.
+
+Projections, the gated output norm and ``out_proj`` run on the whole flat token run; the causal
+conv and the recurrence run per sequence, continuing from that sequence's cache:
+``cache.conv_states[layer]`` holds the raw (pre-conv) qkv rows of the last ``kernel - 1`` tokens
+``[W-1, conv_dim]`` and ``cache.recurrent_states[layer]`` the fp32 state ``[Hv, K, V]``.
+
+Qwen3.5 stores four projections (``in_proj_qkv`` = [Q all heads | K | V], ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``). Qwen3-Next (:class:`Qwen3NextGatedDeltaNet`) fuses them as
+``in_proj_qkvz`` / ``in_proj_ba`` laid out per key head: ``[q, k, v_group, z_group]`` and
+``[b_group, a_group]``, a group being the ``Hv / Hk`` value heads that share one key head.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gdn_ops import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+if TYPE_CHECKING:
+    from ..models.base import ForwardBatch
+
+# Runs shorter than this use the token loop (decode, short appends); longer ones the chunked form.
+RECURRENT_MAX_TOKENS = 8
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Output norm of the GDN layer: ``rmsnorm(x) * weight * silu(z)`` in fp32 (plain weight)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float() * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 layout: separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_k_heads <= 0 or num_v_heads % num_k_heads:
+            raise ValueError(f"linear value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+        self.layer_idx = layer_idx
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self._make_projections(hidden_size)
+        self.conv1d = _DepthwiseConv(self.conv_dim, conv_kernel)
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def _make_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[N, hidden]`` -> qkv ``[N, conv_dim]`` (flat [Q | K | V]), z ``[N, value_dim]``,
+        b and a ``[N, Hv]``."""
+        return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
+        n = hidden.shape[0]
+        qkv, z, b, a = self.project(hidden)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+        out = hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
+        for (start, end), cache in zip(batch.slices, batch.caches):
+            if end == start:
+                continue
+            out[start:end] = self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache)
+        out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.reshape(n, self.value_dim))
+
+    def _mix_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache) -> torch.Tensor:
+        """Conv + recurrence for one sequence's new tokens; returns ``[T, Hv, V]``."""
+        i, t = self.layer_idx, qkv.shape[0]
+        mixed, cache.conv_states[i] = causal_conv1d(qkv, self.conv1d.weight, cache.conv_states[i])
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim))
+        k = l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim))
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+        o, cache.recurrent_states[i] = rule(q, k, v, g, beta, cache.recurrent_states[i])
+        return o
+
+
+class Qwen3NextGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next layout: fused ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head."""
+
+    def _make_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, hk = hidden.shape[0], self.num_k_heads
+        group = self.num_v_heads // hk
+        group_v = group * self.head_v_dim
+        qkvz = self.in_proj_qkvz(hidden).view(n, hk, 2 * self.head_k_dim + 2 * group_v)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group_v, group_v], dim=-1)
+        ba = self.in_proj_ba(hidden).view(n, hk, 2 * group)
+        b, a = ba.split([group, group], dim=-1)
+        qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return qkv, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+
+class _DepthwiseConv(nn.Module):
+    """Holds ``conv1d.weight`` ``[C, 1, W]`` (HF name, no bias); the conv runs in ``causal_conv1d``."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))

@@ -1,0 +1,129 @@
+"""Sparse mixture-of-experts block (Qwen3.5-MoE / Qwen3-Next), with HF parameter names.
+
+Router ``gate`` ``[E, H]``: fp32 softmax, top-k, renormalised when ``norm_topk_prob``. Experts are
+stored fused: ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj``
+``[E, H, I]``. An optional shared expert is added as ``sigmoid(shared_expert_gate(x)) *
+shared_expert(x)``. Tokens are grouped per expert (sorted by expert id) and only the experts that
+received tokens run.
+
+Checkpoints saved by transformers name experts one by one (``experts.N.gate_proj.weight``, ...);
+:func:`fuse_expert_weights` turns such a stream into the fused names.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import GatedMLP
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, H]``, ``expert_ids``/``weights`` ``[N, k]`` -> weighted sum of expert outputs."""
+        n, top_k = expert_ids.shape
+        flat_ids = expert_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        weight_of = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).split(self.intermediate_size, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, rows, y * weight_of[start : start + count, None].to(y.dtype))
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int = 0,
+        norm_topk_prob: bool = True,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        if shared_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids ``[N, k]`` and their weights ``[N, k]`` (in ``x``'s dtype)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], num_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, stacking per-expert ``<p>.experts.N.{gate,up,down}_proj.weight`` into
+    ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` and ``<p>.experts.down_proj`` ``[E, H, I]``.
+
+    A group is emitted as soon as all its experts have arrived, so at most one layer's experts are
+    held at a time when the checkpoint is ordered. Incomplete groups raise ``ValueError``.
+    """
+    pending: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, index, kind = match.group(1), int(match.group(2)), match.group(3)
+        if index >= num_experts:
+            raise ValueError(f"unexpected weight {name}: expert {index} >= num_experts {num_experts}")
+        parts = pending.setdefault(prefix, {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
+        parts[kind][index] = tensor
+        if all(len(p) == num_experts for p in parts.values()):
+            del pending[prefix]
+            yield from _stack(prefix, parts, num_experts)
+    for prefix, parts in pending.items():
+        missing = [
+            f"{prefix}.{e}.{kind}.weight" for kind, p in parts.items() for e in range(num_experts) if e not in p
+        ]
+        raise ValueError(f"missing expert weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _stack(prefix: str, parts: dict[str, dict[int, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
+    up = torch.stack([parts["up_proj"][e] for e in range(n)])
+    yield f"{prefix}.gate_up_proj", torch.cat([gate, up], dim=1)
+    yield f"{prefix}.down_proj", torch.stack([parts["down_proj"][e] for e in range(n)])
