@@ -41,6 +41,8 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(request.prompt_ids)} tokens, the context limit is {request.max_total_tokens}"
             )
+        if request.request_id in self._processors:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         request.generator = make_generator(request.params, self.device)
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids

@@ -23,3 +23,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _few_threads():
+    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core machine they spin-wait."""
+    torch.set_num_threads(1)

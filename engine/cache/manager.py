@@ -103,14 +103,14 @@ class CacheManager:
     def pause(self, cache: PagedSequenceCache) -> HostSnapshot | None:
         """Free the cache's device resources; a host snapshot when the budget allows, else None."""
         snap = None
-        if self.host_bytes_used + self.snapshot_bytes(cache) <= self.host_cache_bytes:
+        if self.host_cache_bytes and self.host_bytes_used + self.snapshot_bytes(cache) <= self.host_cache_bytes:
             idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device) if self.kv else None
             snap = HostSnapshot(
                 num_tokens=cache.num_tokens,
-                keys=self.kv.keys[:, idx].to("cpu") if self.kv else None,
-                values=self.kv.values[:, idx].to("cpu") if self.kv else None,
-                conv=self.states.conv[:, cache.slot].to("cpu") if self.states else None,
-                recurrent=self.states.recurrent[:, cache.slot].to("cpu") if self.states else None,
+                keys=self.kv.keys[:, idx].to("cpu", copy=True) if self.kv else None,
+                values=self.kv.values[:, idx].to("cpu", copy=True) if self.kv else None,
+                conv=self.states.conv[:, cache.slot].to("cpu", copy=True) if self.states else None,
+                recurrent=self.states.recurrent[:, cache.slot].to("cpu", copy=True) if self.states else None,
                 nbytes=0,
             )
             snap.nbytes = _nbytes(snap.keys, snap.values, snap.conv, snap.recurrent)

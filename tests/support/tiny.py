@@ -59,3 +59,33 @@ def save_tiny_llama(path: Path, seed: int = 0, tie: bool = False) -> Path:
             p.normal_(0.0, 0.3)  # loud random weights: sharp, varied next-token distributions
     model.save_pretrained(path)
     return path
+
+
+def _perturb(model, std: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * std)
+
+
+def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A 4-layer hybrid Qwen3.5 (3 Gated DeltaNet + 1 gated attention, GQA), dense or MoE."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=512, eos_token_id=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )
+    if moe:
+        cfg = transformers.Qwen3_5MoeTextConfig(**text, num_experts=8, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        model = transformers.Qwen3_5MoeForCausalLM(cfg)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text, intermediate_size=96))
+    _perturb(model, 0.3)
+    model.save_pretrained(path)
+    return path
