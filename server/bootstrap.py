@@ -14,6 +14,7 @@ from ..engine.frontend.chat_template import ChatTemplate, builtin_template
 from ..engine.frontend.tokenizer import Tokenizer
 from ..engine.loader import Checkpoint, load_checkpoint, load_model
 from ..engine.loop import EngineLoop
+from ..engine.models.base import CausalLM
 from .state import SamplingDefaults, ServerState
 
 log = logging.getLogger("ninfer.server")
@@ -93,16 +94,8 @@ def eos_ids(ckpt: Checkpoint, tokenizer: Tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
-    from .cli import default_model_id
-
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    ckpt = load_checkpoint(args.model)
-    tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
-    template = resolve_template(ckpt, tokenizer, args.chat_template)
-    max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
-    config = EngineConfig(
+def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype: torch.dtype) -> EngineConfig:
+    return EngineConfig(
         max_context=max_context,
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
@@ -114,14 +107,31 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
         device=device,
         dtype=dtype,
     )
-    model = load_model(ckpt, device, dtype)
+
+
+def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
+    """Load the model named by ``args`` and assemble the engine and gateway state around it."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    ckpt = load_checkpoint(args.model)
+    tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
+    template = resolve_template(ckpt, tokenizer, args.chat_template)
+    max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    config = engine_config(args, max_context, device, dtype)
+    return assemble_state(args, ckpt, load_model(ckpt, device, dtype), tokenizer, template, config)
+
+
+def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, model: CausalLM, tokenizer: Tokenizer,
+                   template: ChatTemplate, config: EngineConfig) -> tuple[ServerState, EngineLoop]:
+    from .cli import default_model_id
+
     loop = EngineLoop(LLMEngine(model, tokenizer, config))
     state = ServerState(
         engine=AsyncEngine(loop, config, eos_ids(ckpt, tokenizer)),
         tokenizer=tokenizer,
         template=template,
         model_id=args.model_id or default_model_id(args.model),
-        max_context=max_context,
+        max_context=config.max_context,
         sampling=sampling_defaults(args, ckpt),
         generation=ckpt.generation,
         api_key=args.api_key,

@@ -1,0 +1,77 @@
+"""A scripted model for tests: emits a chosen text through the real tokenizer and the real engine.
+
+Small random or real models will not write tool-call markup or long reasoning on cue; this one
+does. The script is picked by a keyword found in the prompt (the one occurring last wins), and the
+model's logits put all mass on the script's next token, then on eos once the script is spent.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.frontend.chat_template import ChatTemplate, builtin_template
+from ninfer.engine.frontend.qwen_tiktoken import load_qwen_tiktoken
+from ninfer.engine.frontend.tokenizer import Tokenizer
+from ninfer.engine.loader.checkpoint import Checkpoint, GenerationDefaults
+from ninfer.engine.models.base import CausalLM, ForwardBatch
+from ninfer.server.cli import build_parser
+
+
+class ScriptedLM(CausalLM):
+    def __init__(self, tokenizer: Tokenizer, scripts: dict[str, str], default: str, eos_id: int,
+                 vocab_size: int) -> None:
+        super().__init__()
+        self.config = ModelConfig(family="llama", model_type="scripted", vocab_size=vocab_size, hidden_size=1,
+                                  num_hidden_layers=0, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
+                                  intermediate_size=1, max_position_embeddings=1 << 20)
+        self.tokenizer = tokenizer
+        self.scripts = {k: tokenizer.encode(v) for k, v in scripts.items()}
+        self.default = tokenizer.encode(default)
+        self.eos_id = eos_id
+        self._chosen: dict[int, tuple[int, list[int]]] = {}  # id(cache) -> (prompt length, script ids)
+
+    def _choose(self, prompt_text: str) -> list[int]:
+        best, where = self.default, -1
+        for key, ids in self.scripts.items():
+            pos = prompt_text.rfind(key)
+            if pos > where:
+                best, where = ids, pos
+        return best
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        rows = []
+        for (start, end), cache in zip(batch.slices, batch.caches):
+            if cache.num_tokens == 0:  # the whole prompt arrives in one chunk in these tests
+                text = self.tokenizer.decode(input_ids[start:end].tolist())
+                self._chosen[id(cache)] = (end - start, self._choose(text))
+            prompt_len, script = self._chosen[id(cache)]
+            for pos in batch.positions[start:end].tolist():
+                i = pos + 1 - prompt_len  # index of the token this row predicts
+                rows.append(script[i] if 0 <= i < len(script) else self.eos_id)
+        batch.advance_caches()
+        return torch.tensor(rows, dtype=torch.float32).unsqueeze(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((hidden.shape[0], self.config.vocab_size), -1e4)
+        logits[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 1e4
+        return logits
+
+
+def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I help?", *cli_args: str):
+    """``(ServerState, EngineLoop)`` serving a ScriptedLM with the Qwen3.5 tokenizer and template."""
+    from ninfer.server.bootstrap import assemble_state, engine_config
+
+    tok = load_qwen_tiktoken("qwen3.6")
+    eos = tok.token_to_id("<|im_end|>")
+    model = ScriptedLM(tok, scripts, default, eos, vocab_size=248320)
+    args = build_parser().parse_args(["--model-id", "scripted", "--prefill-chunk", "65536",
+                                      "--kv-capacity", "65536", *cli_args])
+    ckpt = Checkpoint(config=model.config, weights=lambda: [], tokenizer=tok,
+                      chat_template=builtin_template("qwen3_5"),
+                      generation=GenerationDefaults(eos_token_ids=[eos]), source="scripted")
+    template = ChatTemplate(ckpt.chat_template, eos_token="<|im_end|>")
+    config: EngineConfig = engine_config(args, 32768, "cpu", torch.float32)
+    return assemble_state(args, ckpt, model, tok, template, config)
