@@ -1,7 +1,8 @@
 """The engine core: admits requests, runs one model step at a time, publishes outputs.
 
 ``LLMEngine`` is synchronous and owned by exactly one thread (see ``loop.py``). One step:
-schedule -> run the model on a flat batch -> sample -> postprocess (detokenize, stops, finish).
+schedule (``scheduler.py``) -> run and sample (``runner.py``) -> postprocess (detokenize, stops,
+finish) -> publish ``RequestOutput`` objects.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
 from .memory import plan_kv_pages
-from .models.base import CausalLM, ForwardBatch
+from .models.base import CausalLM
 from .outputs import RequestOutput
 from .request import FinishReason, Request, Status
-from .sampler import make_generator, sample
+from .runner import ModelRunner
+from .sampler import make_generator
 from .scheduler import Scheduler
 
 
@@ -31,6 +33,7 @@ class LLMEngine:
         self.caches = CacheManager(model.config, num_pages, config.page_size, config.max_concurrency,
                                    config.dtype, self.device, config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
+        self.runner = ModelRunner(model, self.device)
         self._processors: dict[str, OutputProcessor] = {}
 
     # ------------------------------------------------------------------ requests
@@ -75,27 +78,8 @@ class LLMEngine:
                     for r in self.scheduler.admitted]
         if not plan:
             return outputs
-        ids, positions = [], []
-        for req, n in plan:
-            ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
-            positions.extend(range(req.num_computed, req.num_computed + n))
-        batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            seq_lens=[n for _, n in plan],
-            caches=[req.cache for req, _ in plan],
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
-            rows, sampling, end = [], [], 0
-            for req, n in plan:
-                end += n
-                req.num_computed += n
-                if req.num_computed == req.num_tokens:  # everything known is computed: sample
-                    rows.append(end - 1)
-                    sampling.append(req)
-            logits = self.model.compute_logits(hidden[rows]) if rows else None
-        tokens = sample(logits, sampling) if sampling else []
-        return outputs + self._postprocess(sampling, tokens)
+        ready, tokens = self.runner.execute(plan)
+        return outputs + self._postprocess(ready, tokens)
 
     def _postprocess(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs = []
