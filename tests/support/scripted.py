@@ -6,7 +6,7 @@ model's logits put all mass on the script's next token, then on eos once the scr
 """
 from __future__ import annotations
 
-import argparse
+import time
 
 import torch
 
@@ -32,6 +32,7 @@ class ScriptedLM(CausalLM):
         self.default = tokenizer.encode(default)
         self.eos_id = eos_id
         self._chosen: dict[int, tuple[int, list[int]]] = {}  # id(cache) -> (prompt length, script ids)
+        self.step_delay = 0.0  # seconds each forward takes, to hold requests open in tests
 
     def _choose(self, prompt_text: str) -> list[int]:
         best, where = self.default, -1
@@ -42,6 +43,8 @@ class ScriptedLM(CausalLM):
         return best
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.step_delay:
+            time.sleep(self.step_delay)
         rows = []
         for (start, end), cache in zip(batch.slices, batch.caches):
             if cache.num_tokens == 0:  # the whole prompt arrives in one chunk in these tests
