@@ -33,7 +33,9 @@ class LLMEngine:
         self.caches = CacheManager(model.config, num_pages, config.page_size, config.max_concurrency,
                                    config.dtype, self.device, config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
-        self.runner = ModelRunner(model, self.device)
+        self.runner = ModelRunner(model, self.device, self.caches)
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
 
     # ------------------------------------------------------------------ requests

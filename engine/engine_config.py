@@ -16,6 +16,7 @@ class EngineConfig:
     host_cache_mib: int = 1024  # host memory for snapshots of paused requests
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 

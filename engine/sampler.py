@@ -64,6 +64,21 @@ def sample_one(logits: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty \
+        and not params.frequency_penalty
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``."""
-    return [sample_one(logits[i], req) for i, req in enumerate(reqs)]
+    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``. Plain greedy rows
+    are decided together on the device and read back with one copy."""
+    plain = [i for i, r in enumerate(reqs) if _plain_greedy(r.params)]
+    out: list[int] = [0] * len(reqs)
+    if plain:
+        rows = logits if len(plain) == len(reqs) else logits[plain]
+        for i, token in zip(plain, torch.argmax(rows, dim=-1).tolist()):
+            out[i] = token
+    for i, req in enumerate(reqs):
+        if not _plain_greedy(req.params):
+            out[i] = sample_one(logits[i], req)
+    return out

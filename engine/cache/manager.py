@@ -42,6 +42,8 @@ class CacheManager:
                                     device) if self.gdn_ordinal else None
         self.host_cache_bytes = host_cache_bytes
         self.host_bytes_used = 0
+        self.padding_page: int | None = None  # held for padded rows of captured decode graphs
+        self.padding_slot: int | None = None
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -63,9 +65,18 @@ class CacheManager:
         return max(self.kv.pages_for(total_tokens) - have, 0)
 
     def idle(self) -> bool:
-        pages_ok = self.kv is None or self.kv.num_free == self.kv.num_pages
-        slots_ok = self.states is None or self.states.num_free == self.states.num_slots
+        pages_ok = self.kv is None or self.kv.num_free == self.kv.num_pages - (self.padding_page is not None)
+        slots_ok = self.states is None or self.states.num_free == self.states.num_slots - (self.padding_slot is not None)
         return pages_ok and slots_ok and self.host_bytes_used == 0
+
+    def reserve_padding(self) -> tuple[int, int]:
+        """One page and one slot that padded batch rows may scribble on (``-1`` where a pool is absent)."""
+        if self.padding_page is None and self.kv is not None:
+            self.padding_page = self.kv.allocate(1)[0]
+        if self.padding_slot is None and self.states is not None:
+            self.padding_slot = self.states.acquire()
+        return (-1 if self.padding_page is None else self.padding_page,
+                -1 if self.padding_slot is None else self.padding_slot)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> PagedSequenceCache:

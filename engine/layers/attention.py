@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
+from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -51,6 +53,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         scores = scores.masked_fill(future, float("-inf"))
         out[:, start:end] = torch.matmul(torch.softmax(scores, dim=-1), v32)
     return out.transpose(0, 1).to(q.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the newest ``T`` tokens over ``S`` cached ones: torch's fused SDPA
+    (flash / memory-efficient kernels, bottom-right causal mask) on CUDA, the reference elsewhere."""
+    if not q.is_cuda:
+        return causal_attention(q, k, v, scale)
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, s = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = causal_lower_right(t, s) if t > 1 else None
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -106,11 +123,23 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
 
-        out = torch.empty_like(q)
-        for (start, end), cache in zip(batch.slices, batch.caches):
-            keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
-            out[start:end] = causal_attention(q[start:end], keys, values, self.scale)
+        if batch.decode is not None:
+            out = self._decode(q, k, v, batch.decode)
+        else:
+            out = torch.empty_like(q)
+            for (start, end), cache in zip(batch.slices, batch.caches):
+                keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
+                out[start:end] = attend(q[start:end], keys, values, self.scale)
         out = out.reshape(n, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """One token per sequence: write K/V into the pool, then paged attention for the batch."""
+        a = meta.attn_ordinal[self.layer_idx]
+        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
+        rows = k_pages.view(-1, self.num_kv_heads, self.head_dim)
+        rows.index_copy_(0, meta.write_index, k.to(rows.dtype))
+        v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.write_index, v.to(rows.dtype))
+        return paged_decode_attention(q, k_pages, v_pages, meta.block_tables, meta.context_lens, self.scale)

@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gdn_ops import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gdn_ops import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    prefill_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_step_batched,
+)
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
@@ -42,6 +48,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from .norm_triton import gated_rms_norm_triton
+
+            return gated_rms_norm_triton(x, z.to(x.dtype), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float() * F.silu(z.float())).to(x.dtype)
@@ -97,11 +107,14 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
 
-        out = hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
-        for (start, end), cache in zip(batch.slices, batch.caches):
-            if end == start:
-                continue
-            out[start:end] = self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache)
+        if batch.decode is not None:
+            out = self._decode(qkv, g, beta, batch.decode)
+        else:
+            out = hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
+            for (start, end), cache in zip(batch.slices, batch.caches):
+                if end == start:
+                    continue
+                out[start:end] = self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache)
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(n, self.value_dim))
 
@@ -113,8 +126,29 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim))
         k = l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim))
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+        if qkv.is_cuda:
+            rule = prefill_gated_delta_rule
+        else:
+            rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
         o, cache.recurrent_states[i] = rule(q, k, v, g, beta, cache.recurrent_states[i])
+        return o
+
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
+        """One token per sequence, all sequences at once, states read from and written back to
+        their slots in the pool (no host sync, so it can be captured in a CUDA graph)."""
+        b = qkv.shape[0]
+        gi = meta.gdn_ordinal[self.layer_idx]
+        conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
+        window = torch.cat([conv_pool.index_select(0, meta.slot_ids), qkv[:, None, :].to(conv_pool.dtype)], dim=1)
+        weight = self.conv1d.weight.reshape(self.conv_dim, -1)  # [C, W]
+        mixed = F.silu(torch.einsum("bwc,cw->bc", window.float(), weight.float())).to(qkv.dtype)
+        conv_pool.index_copy_(0, meta.slot_ids, window[:, 1:])
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(b, self.num_k_heads, self.head_k_dim))
+        k = l2norm(k.reshape(b, self.num_k_heads, self.head_k_dim))
+        v = v.reshape(b, self.num_v_heads, self.head_v_dim)
+        o, state = recurrent_step_batched(q, k, v, g, beta, rec_pool.index_select(0, meta.slot_ids))
+        rec_pool.index_copy_(0, meta.slot_ids, state)
         return o
 
 

@@ -159,3 +159,42 @@ def chunk_gated_delta_rule(
         s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ d
     out = out.permute(1, 2, 0, 3).reshape(n * chunk, out.shape[0], -1)[:t]
     return out.to(out_dtype), s
+
+
+def recurrent_step_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor, scale: float | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of ``B`` sequences: q, k ``[B, Hk, K]`` (l2-normalised), v ``[B, Hv, V]``,
+    g and beta ``[B, Hv]``, state ``[B, Hv, K, V]`` fp32. Returns ``(out [B, Hv, V], new_state)``.
+
+    On CUDA this runs fla-core's fused recurrent Triton kernel; elsewhere the same math in torch."""
+    b, hk, dk = k.shape
+    hv = v.shape[1]
+    scale = dk**-0.5 if scale is None else scale
+    if q.is_cuda:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        o, new_state = fused_recurrent_gated_delta_rule(
+            q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g[:, None].float(), beta[:, None].float(),
+            scale=scale, initial_state=state, output_final_state=True)
+        return o[:, 0], new_state
+    qf = q.float().repeat_interleave(hv // hk, dim=1) * scale
+    kf = k.float().repeat_interleave(hv // hk, dim=1)
+    s = state.float() * torch.exp(g.float())[..., None, None]
+    delta = beta.float()[..., None] * (v.float() - torch.einsum("bhk,bhkv->bhv", kf, s))
+    s = s + torch.einsum("bhk,bhv->bhkv", kf, delta)
+    return torch.einsum("bhk,bhkv->bhv", qf, s).to(v.dtype), s
+
+
+def prefill_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's ``T`` new tokens (shapes as :func:`recurrent_gated_delta_rule`): fla-core's
+    chunked Triton kernel on CUDA."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    if state is None:
+        state = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
+    o, final = fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(), beta[None].float(),
+                         scale=dk**-0.5, initial_state=state[None].float(), output_final_state=True)
+    return o[0], final[0]

@@ -16,4 +16,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: one Triton pass on CUDA (``mlp_triton.py``), torch elsewhere."""
+    if gate.is_cuda:
+        from .mlp_triton import silu_mul_triton
+
+        return silu_mul_triton(gate, up)
+    return F.silu(gate) * up

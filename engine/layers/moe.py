@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import GatedMLP
+from .mlp import GatedMLP, silu_mul
+
+DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMV path
 
 
 class FusedExperts(nn.Module):
@@ -32,6 +34,8 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, H]``, ``expert_ids``/``weights`` ``[N, k]`` -> weighted sum of expert outputs."""
         n, top_k = expert_ids.shape
+        if x.is_cuda and n * top_k <= DECODE_MAX_ASSIGNMENTS:
+            return self._forward_gemv(x, expert_ids, weights)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
@@ -48,6 +52,24 @@ class FusedExperts(nn.Module):
             out.index_add_(0, rows, y * weight_of[start : start + count, None].to(y.dtype))
             start += count
         return out
+
+    def _forward_gemv(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode): one grouped GEMV per projection, expert ids read on the device."""
+        n, top_k = expert_ids.shape
+        ids = expert_ids.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0)  # [N*k, H]
+        gate, up = grouped_gemv(rows, self.gate_up_proj, ids).split(self.intermediate_size, dim=-1)
+        y = grouped_gemv(silu_mul(gate, up), self.down_proj, ids)  # [N*k, H]
+        return (y.view(n, top_k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
+
+
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``out[m] = w[ids[m]] @ x[m]``: ``x`` ``[M, K]``, ``w`` ``[E, N, K]``, ``ids`` ``[M]`` -> ``[M, N]``."""
+    if x.is_cuda:
+        from .moe_triton import grouped_gemv_triton
+
+        return grouped_gemv_triton(x, w, ids)
+    return torch.bmm(w[ids], x[:, :, None])[:, :, 0]
 
 
 class SparseMoeBlock(nn.Module):

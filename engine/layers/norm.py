@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from .norm_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, self.zero_centered)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         scale = self.weight.float()

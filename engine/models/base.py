@@ -11,7 +11,7 @@ once all layers have run, advances each ``cache.num_tokens`` by that sequence's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -21,10 +21,29 @@ from ..config import ModelConfig
 
 
 @dataclass
+class DecodeMeta:
+    """Device-side description of a decode step (one new token per sequence) over the shared pools.
+
+    With it, layers run the whole batch at once with no per-sequence Python loop and no host
+    sync, so the step can be captured in a CUDA graph. Row ``b`` is sequence ``b``.
+    """
+
+    kv: Any  # PagedKVPool or None
+    states: Any  # StateSlotPool or None
+    attn_ordinal: dict[int, int]  # layer index -> index in the KV pool
+    gdn_ordinal: dict[int, int]  # layer index -> index in the state pool
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    context_lens: torch.Tensor  # [B] int32, tokens including the new one
+    write_index: torch.Tensor  # [B] int64, flat pool row (page * page_size + offset) of the new token
+    slot_ids: torch.Tensor  # [B] int64, state slot of each sequence
+
+
+@dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute position of every token
     seq_lens: list[int]  # new tokens per sequence, sum == N
-    caches: list[SequenceCache]  # one per sequence, in the same order
+    caches: list[Any]  # one per sequence, in the same order (SequenceCache or PagedSequenceCache)
+    decode: DecodeMeta | None = None  # set for batched decode steps over the pools
 
     @property
     def slices(self) -> list[tuple[int, int]]:

@@ -1,0 +1,62 @@
+"""Triton kernels for the norms: RMSNorm (plain or zero-centred) and the GDN gated RMSNorm.
+
+One program per row, fp32 math, one read and one write of the row. References: ``norm.RMSNorm``
+and ``gated_delta_net.GatedRMSNorm`` (their torch code), used on the CPU and by the tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
+                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    tl.store(out_ptr + row * stride_o + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * inv * w * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {d}")
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), d, eps,
+                                         ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    if z.shape != x.shape or weight.shape != (d,):
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
+    x2, z2 = x.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, d, eps, BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape)
