@@ -78,6 +78,10 @@ class CudaGraphDecoder:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def fits(self, reqs: list[Request]) -> bool:
+        """Whether a captured graph can run this decode batch."""
+        return self.bucket(len(reqs)) is not None and all(len(r.cache.pages) <= self.max_pages for r in reqs)
+
     def run(self, reqs: list[Request]) -> torch.Tensor:
         """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced)."""
         n = len(reqs)

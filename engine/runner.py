@@ -49,7 +49,7 @@ class ModelRunner:
 
     def _decode(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         reqs = [r for r, _ in plan]
-        if self.graphs is not None and self.graphs.bucket(len(reqs)) is not None:
+        if self.graphs is not None and self.graphs.fits(reqs):
             logits = self.graphs.run(reqs)
         else:
             meta = build_decode_meta(reqs, self.caches, self.device)

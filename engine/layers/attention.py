@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_linear import fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
@@ -101,6 +102,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self._sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self._fused: torch.Tensor | None = None  # concatenated q/k/v weight (fuse_projections)
         if qk_norm is not None:
             zero_centered = qk_norm == "zero_centered"
             self.q_norm = RMSNorm(head_dim, eps, zero_centered)
@@ -111,14 +114,17 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; appends K/V to each cache."""
         n = hidden.shape[0]
-        q = self.q_proj(hidden)
+        if self._fused is not None:
+            q, k, v = split_linear(hidden, self._fused, self._sizes)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(n, self.num_heads * self.head_dim)
         q = q.reshape(n, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
@@ -134,6 +140,10 @@ class Attention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def fuse_projections(self) -> bool:
+        self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self._fused is not None
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence: write K/V into the pool, then paged attention for the batch."""

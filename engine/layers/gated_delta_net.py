@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_linear import fuse_linears, split_linear
 from .gdn_ops import (
     causal_conv1d,
     chunk_gated_delta_rule,
@@ -83,6 +84,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self._make_projections(hidden_size)
+        self._fused: torch.Tensor | None = None  # concatenated input projections (fuse_projections)
         self.conv1d = _DepthwiseConv(self.conv_dim, conv_kernel)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
@@ -98,12 +100,23 @@ class GatedDeltaNet(nn.Module):
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[N, hidden]`` -> qkv ``[N, conv_dim]`` (flat [Q | K | V]), z ``[N, value_dim]``,
         b and a ``[N, Hv]``."""
+        if self._fused is not None:
+            return split_linear(hidden, self._fused, [self.conv_dim, self.value_dim, self.num_v_heads,
+                                                      self.num_v_heads])
         return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+    def fuse_projections(self) -> bool:
+        self._fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        return self._fused is not None
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
         n = hidden.shape[0]
         qkv, z, b, a = self.project(hidden)
+        if batch.decode is not None and hidden.is_cuda:
+            out = self._decode_fused(qkv, a, b, batch.decode)
+            out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(out.reshape(n, self.value_dim))
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
 
@@ -133,9 +146,19 @@ class GatedDeltaNet(nn.Module):
         o, cache.recurrent_states[i] = rule(q, k, v, g, beta, cache.recurrent_states[i])
         return o
 
+    def _decode_fused(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta) -> torch.Tensor:
+        """The decode step as two Triton kernels working in place on the slots (CUDA)."""
+        from .gdn_decode_triton import conv_step_triton, recurrent_step_triton
+
+        gi = meta.gdn_ordinal[self.layer_idx]
+        mixed = conv_step_triton(qkv, meta.states.conv[gi], self.conv1d.weight, meta.slot_ids)
+        return recurrent_step_triton(mixed, a, b, self.A_log, self.dt_bias, meta.states.recurrent[gi],
+                                     meta.slot_ids, self.num_k_heads, self.head_k_dim)
+
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence, all sequences at once, states read from and written back to
-        their slots in the pool (no host sync, so it can be captured in a CUDA graph)."""
+        their slots in the pool (no host sync, so it can be captured in a CUDA graph). The torch
+        reference of ``_decode_fused``."""
         b = qkv.shape[0]
         gi = meta.gdn_ordinal[self.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]

@@ -175,8 +175,8 @@ def recurrent_step_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
         o, new_state = fused_recurrent_gated_delta_rule(
-            q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g[:, None].float(), beta[:, None].float(),
-            scale=scale, initial_state=state, output_final_state=True)
+            q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g=g[:, None].float(),
+            beta=beta[:, None].float(), scale=scale, initial_state=state.contiguous(), output_final_state=True)
         return o[:, 0], new_state
     qf = q.float().repeat_interleave(hv // hk, dim=1) * scale
     kf = k.float().repeat_interleave(hv // hk, dim=1)
@@ -195,6 +195,7 @@ def prefill_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     if state is None:
         state = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
-    o, final = fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(), beta[None].float(),
-                         scale=dk**-0.5, initial_state=state[None].float(), output_final_state=True)
+    o, final = fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g=g[None].float(),
+                         beta=beta[None].float(), scale=dk**-0.5, initial_state=state[None].float().contiguous(),
+                         output_final_state=True)
     return o[0], final[0]

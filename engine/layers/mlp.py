@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_linear import fuse_linears, split_linear
+
 
 class GatedMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
@@ -14,9 +16,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self._sizes = [intermediate_size, intermediate_size]
+        self._fused: torch.Tensor | None = None  # concatenated gate/up weight (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self.down_proj(silu_mul(*split_linear(x, self._fused, self._sizes)))
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def fuse_projections(self) -> bool:
+        self._fused = fuse_linears([self.gate_proj, self.up_proj])
+        return self._fused is not None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,10 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype)
     model = build_model(ckpt.config, dtype=dtype, device=device)
     model.load_weights(ckpt.weights())
     model.eval()
+    if torch.device(device).type == "cuda":
+        from ..layers.fused_linear import fuse_model_projections
+
+        fuse_model_projections(model)
     log.info("loaded %s (%s) on %s as %s in %.1f s", ckpt.source, ckpt.config.model_type, device,
              str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model

@@ -56,3 +56,22 @@ def test_paged_reference_matches_contiguous_attention():
         k = k_pages[tables[b].long()].reshape(-1, hkv, d)[: lens[b]]
         v = v_pages[tables[b].long()].reshape(-1, hkv, d)[: lens[b]]
         torch.testing.assert_close(out[b], causal_attention(q[b : b + 1], k, v, 0.25)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_keep_the_logits(parts):
+    from ninfer.engine.layers.fused_linear import fuse_model_projections
+    from ninfer.engine.models.base import ForwardBatch
+
+    model, tok = parts
+    ids = tok.encode("Hello world! How are you today?")
+
+    def logits():
+        cache = model.new_cache()
+        with torch.inference_mode():
+            return model.compute_logits(model(torch.tensor(ids), ForwardBatch.single(len(ids), cache)))
+
+    before = logits()
+    names = {n for n, _ in model.named_parameters()}
+    assert fuse_model_projections(model) > 0
+    assert {n for n, _ in model.named_parameters()} == names
+    torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)

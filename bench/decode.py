@@ -1,0 +1,289 @@
+"""Decode and prefill throughput against the hardware limit, with HF transformers as the peer.
+
+    python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
+                           [--prefill 512,16384] [--steps 32] [--no-hf] [--json FILE]
+
+Random bf16 weights at the real shape are made directly on the GPU (no checkpoint). The run first
+measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
+batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
+the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
+bandwidth floor reached; then the same work through HF transformers (+ fla-core). It prints a
+table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+
+import torch
+
+from .gpu_env import measure_ceilings
+from .shapes import SHAPES, shape_config
+
+DTYPE = torch.bfloat16
+
+
+class NullTokenizer:
+    """Token ids only: the bench measures the engine, not text."""
+
+    bos_token = eos_token = None
+    bos_token_id = eos_token_id = None
+    vocab_size = 0
+
+    def encode(self, text):
+        return []
+
+    def decode(self, ids):
+        return ""
+
+    def token_to_id(self, token):
+        return None
+
+
+def randomize_(model: torch.nn.Module) -> None:
+    """Small random weights everywhere (a fresh ``build_model`` holds uninitialised memory)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(0.0, 2.0, generator=gen)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0, generator=gen)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def bytes_per_step(cfg, batch: int, context: int) -> float:
+    """Fewest bytes one decode step streams: weights read once (active experts only, per token
+    for MoE), GDN state read + written and KV read for every sequence."""
+    elt = 2
+    h, v = cfg.hidden_size, cfg.vocab_size
+    attn = sum(t == "full_attention" for t in cfg.layer_types)
+    gdn = cfg.num_hidden_layers - attn
+    q_out = cfg.num_attention_heads * cfg.head_dim
+    attn_params = h * (2 * q_out) + 2 * h * cfg.num_key_value_heads * cfg.head_dim + q_out * h
+    kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    gdn_params = h * (2 * kd + vd) + h * vd + 2 * h * cfg.linear_num_value_heads + vd * h + (2 * kd + vd) * 4
+    if cfg.is_moe:
+        per_expert = 3 * h * cfg.moe_intermediate_size
+        experts = min(cfg.num_experts, batch * cfg.num_experts_per_tok)
+        mlp = experts * per_expert + 3 * h * cfg.shared_expert_intermediate_size + h * cfg.num_experts
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    weights = (attn * attn_params + gdn * gdn_params + cfg.num_hidden_layers * mlp + v * h) * elt
+    state = batch * gdn * 2 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    kv = batch * context * attn * 2 * cfg.num_key_value_heads * cfg.head_dim * elt
+    return weights + state + kv
+
+
+def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda"):
+    from ninfer.engine.engine import LLMEngine
+    from ninfer.engine.engine_config import EngineConfig
+    from ninfer.engine.models.registry import build_model
+
+    from ninfer.engine.layers.fused_linear import fuse_model_projections
+
+    dtype = DTYPE if device == "cuda" else torch.float32
+    model = build_model(cfg, dtype=dtype, device=device)
+    randomize_(model)
+    fuse_model_projections(model)
+    max_ctx = max(context + steps + 96, prefill_max + 16)
+    ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch, prefill_chunk=max(prefill_max, 2048),
+                        kv_capacity=max_batch * (context + steps + 32) + max_ctx, page_size=16,
+                        host_cache_mib=0, device=device, dtype=dtype)
+    return LLMEngine(model, NullTokenizer(), ecfg)
+
+
+def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str, limit: int):
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    return [Request(f"{tag}{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                    max_total_tokens=limit) for i in range(n)]
+
+
+def _graph_ms(engine, reqs) -> float | None:
+    """GPU time of one captured decode step alone (no scheduling, sampling or host work)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.fits(reqs):
+        return None
+    for r in reqs:  # room for the token the replay writes, as the scheduler would reserve
+        if not engine.caches.reserve(r.cache, r.num_computed + 1):
+            return None
+    graphs.run(reqs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph, _ = graphs.graphs[graphs.bucket(len(reqs))]
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
+               device: str = "cuda") -> dict:
+    cfg = shape_config(name) if isinstance(name, str) else name
+    engine = _engine(cfg, max(batches), context, steps, max(prefills), device)
+    out: dict = {"decode": {}, "prefill": {}}
+    for b in batches:
+        reqs = _requests(b, context, steps + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
+        for r in reqs:
+            engine.add_request(r)
+        while any(not r.output_ids for r in reqs):
+            engine.step()
+        for _ in range(2):
+            engine.step()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        dt = (time.perf_counter() - t0) / steps
+        graph_ms = _graph_ms(engine, reqs)
+        for r in reqs:
+            engine.abort(r.request_id)
+        out["decode"][b] = {"ms_per_step": dt * 1e3, "tok_s": b / dt, "graph_ms": graph_ms,
+                            "bytes_per_step": bytes_per_step(cfg, b, context)}
+    for n in prefills:
+        (req,) = _requests(1, n, 1, cfg.vocab_size, f"p{n}-", engine.config.max_context)
+        warm = _requests(1, n, 1, cfg.vocab_size, f"w{n}-", engine.config.max_context)[0]
+        for r in (warm, req):
+            _sync()
+            t0 = time.perf_counter()
+            engine.add_request(r)
+            while engine.has_work:
+                engine.step()
+            _sync()
+            dt = time.perf_counter() - t0
+        out["prefill"][n] = {"s": dt, "tok_s": n / dt}
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_hf(name: str, batches: list[int], context: int, prefills: list[int], steps: int) -> dict:
+    import transformers
+
+    cfg = shape_config(name)
+    raw = dict(cfg.raw)
+    moe = cfg.is_moe
+    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    conf = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(**{
+        k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = cls(conf)
+    model = model.to(DTYPE).to_empty(device="cuda").eval()
+    randomize_(model)
+    out: dict = {"decode": {}, "prefill": {}, "transformers": transformers.__version__}
+    with torch.inference_mode():
+        for b in batches:
+            try:
+                ids = torch.randint(0, cfg.vocab_size, (b, context), device="cuda")
+                res = model(ids, use_cache=True, logits_to_keep=1)
+                pkv, tok = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+                for i in range(steps + 2):
+                    if i == 2:
+                        _sync()
+                        t0 = time.perf_counter()
+                    res = model(tok, past_key_values=pkv, use_cache=True)
+                    pkv, tok = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+                _sync()
+                dt = (time.perf_counter() - t0) / steps
+                out["decode"][b] = {"ms_per_step": dt * 1e3, "tok_s": b / dt}
+            except torch.OutOfMemoryError:
+                out["decode"][b] = {"error": "out of memory"}
+            del pkv, res
+            torch.cuda.empty_cache()
+        for n in prefills:
+            try:
+                ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
+                for _ in range(2):
+                    _sync()
+                    t0 = time.perf_counter()
+                    model(ids, use_cache=True, logits_to_keep=1)
+                    _sync()
+                    dt = time.perf_counter() - t0
+                out["prefill"][n] = {"s": dt, "tok_s": n / dt}
+            except torch.OutOfMemoryError:
+                out["prefill"][n] = {"error": "out of memory"}
+            torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def table(results: dict, ceilings: dict) -> str:
+    bw = ceilings["copy_gb_s"] * 1e9
+    rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
+            "| shape | work | ninfer | HF transformers | ninfer / HF | bytes/step | floor ms | % of floor |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, res in results.items():
+        ours, hf = res["ninfer"], res.get("hf", {})
+        for b, d in ours["decode"].items():
+            h = hf.get("decode", {}).get(b, {})
+            floor_ms = d["bytes_per_step"] / bw * 1e3
+            ratio = f"{d['tok_s'] / h['tok_s']:.1f}x" if "tok_s" in h else "-"
+            hf_txt = f"{h['tok_s']:.1f} tok/s" if "tok_s" in h else h.get("error", "-")
+            graph = f", graph {d['graph_ms']:.2f} ms" if d.get("graph_ms") else ""
+            rows.append(f"| {name} | decode b={b} | {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.2f} ms{graph}) | {hf_txt} | "
+                        f"{ratio} | {d['bytes_per_step'] / 1e9:.2f} GB | {floor_ms:.2f} | {100 * floor_ms / d['ms_per_step']:.0f}% |")
+        for n, p in ours["prefill"].items():
+            h = hf.get("prefill", {}).get(n, {})
+            hf_txt = f"{h['tok_s']:.0f} tok/s" if "tok_s" in h else h.get("error", "-")
+            ratio = f"{p['tok_s'] / h['tok_s']:.1f}x" if "tok_s" in h else "-"
+            rows.append(f"| {name} | prefill {n} | {p['tok_s']:.0f} tok/s | {hf_txt} | {ratio} | | | |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", action="append", required=True, choices=sorted(SHAPES))
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--prefill", default="512,16384")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-batches", default="1,8", help="batch sizes for the transformers peer")
+    p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    batches = [int(x) for x in args.batches.split(",")]
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    ceilings = measure_ceilings()
+    results = {}
+    for name in args.shape:
+        results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps)}
+        print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
+        if not args.no_hf:
+            hf_batches = [int(x) for x in args.hf_batches.split(",")]
+            hf_prefills = prefills if args.hf_prefill is None else [int(x) for x in args.hf_prefill.split(",") if x]
+            results[name]["hf"] = bench_hf(name, hf_batches, args.context, hf_prefills, min(args.steps, 8))
+        print(table({name: results[name]}, ceilings), flush=True)
+    report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "torch": torch.__version__,
+              "ceilings": ceilings, "args": vars(args), "results": results}
+    print("\n" + table(results, ceilings))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

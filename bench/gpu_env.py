@@ -1,0 +1,34 @@
+"""The two ceilings every GPU number is read against: copy bandwidth and bf16 matmul rate."""
+from __future__ import annotations
+
+import torch
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16, well past L2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(lambda: dst.copy_(src))
+    copy_gb_s = 2 * src.numel() * 2 / (copy_ms * 1e-3) / 1e9  # bytes read + written
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = _time_ms(lambda: a @ b)
+    tflops = 2 * 8192**3 / (mm_ms * 1e-3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return {"gpu": torch.cuda.get_device_name(), "copy_gb_s": copy_gb_s, "matmul_tflops": tflops}

@@ -1,0 +1,141 @@
+"""Check the launcher's memory plan on a real GPU: for a known shape (random weights) and some lane
+counts, start ninfer-serve with the planned settings, keep every lane busy with a long prompt, and
+compare the GPU memory the server took at its peak with what the plan said. Prints a table and
+writes JSON; rows that held go into app/presets.json by hand, with the note it prints.
+
+    python -m ninfer.bench.measure_presets --shape Qwen3.5-0.8B --lanes 1,4 --prompt-tokens 32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from ..app.gpu_probe import plan_device, probe
+from ..app.launch import child_env, parse_options, resolve
+from ..app.plan import GiB
+from .shapes import SHAPES
+
+
+def random_checkpoint(name: str, path: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    cfg = dict(SHAPES[name.lower()])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+class Peak(threading.Thread):
+    def __init__(self, index: int) -> None:
+        super().__init__(daemon=True)
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.base = self.used()
+        self.peak = self.base
+        self.done = False
+
+    def used(self) -> int:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def run(self) -> None:
+        while not self.done:
+            self.peak = max(self.peak, self.used())
+            time.sleep(0.05)
+
+
+def one(model: Path, lanes: int, prompt_tokens: int, port: int) -> dict:
+    resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port)]))
+    plan = resolved.plan
+    peak = Peak(plan.device.index)
+    peak.start()
+    server = subprocess.Popen(resolved.command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    row = {"lanes": lanes, "context": plan.settings.context, "prefill_chunk": plan.settings.prefill_chunk,
+           "drafts": plan.settings.drafts, "kv_tokens": plan.settings.kv_tokens, "plan_bytes": plan.total,
+           "free_before": plan.device.free, "command": resolved.command}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(resolved.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        row["started_s"] = round(time.monotonic() - (deadline - 300), 1)
+        tokens = min(prompt_tokens, plan.settings.context - 64)
+        body = {"model": "m", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello " * (tokens - 32)}]}
+
+        def ask(_: int) -> int:
+            reply = httpx.post(resolved.base_url + "/v1/chat/completions", json=body, timeout=600)
+            if reply.status_code != 200:
+                return -reply.status_code
+            return reply.json().get("usage", {}).get("prompt_tokens", -1)
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(lanes) as pool:
+            row["prompt_tokens"] = list(pool.map(ask, range(lanes)))
+        row["requests_s"] = round(time.monotonic() - started, 1)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        peak.done = True
+        peak.join()
+    row["peak_bytes"] = peak.peak - peak.base
+    row["fits"] = row["peak_bytes"] <= plan.total and all(t > 0 for t in row.get("prompt_tokens", [-1]))
+    row["log_tail"] = server.stdout.read()[-1500:] if not row["fits"] else ""
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="Qwen3.5-0.8B")
+    p.add_argument("--lanes", default="1,4")
+    p.add_argument("--prompt-tokens", type=int, default=32768)
+    p.add_argument("--checkpoint", default="/tmp/ninfer-random-ckpt")
+    p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--out", default="bench/results/presets.json")
+    args = p.parse_args()
+    result = probe()
+    print(result.summary(), flush=True)
+    device = plan_device(result)
+    model = random_checkpoint(args.shape, Path(args.checkpoint) / args.shape)
+    rows = []
+    for lanes in (int(x) for x in args.lanes.split(",")):
+        row = one(model, lanes, args.prompt_tokens, args.port)
+        rows.append(row)
+        print(f"{args.shape} lanes {lanes}: context {row['context']:,} chunk {row['prefill_chunk']} drafts "
+              f"{row['drafts']} | plan {row['plan_bytes'] / GiB:.1f} GiB, peak {row['peak_bytes'] / GiB:.1f} GiB, "
+              f"prompts {row.get('prompt_tokens')} in {row.get('requests_s')} s -> {'held' if row['fits'] else 'NO'}",
+              flush=True)
+        if row["log_tail"]:
+            print(row["log_tail"], flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": device.name, "total": device.total, "shape": args.shape, "rows": rows},
+                              indent=2))
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The decode benchmark's harness runs end to end (on the CPU, on a tiny hybrid shape), so GPU
+time is never spent finding a bug in the bench itself."""
+from __future__ import annotations
+
+from bench.decode import bench_ours, bytes_per_step
+from ninfer.engine.config import ModelConfig
+
+TINY = {
+    "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "full_attention_interval": 4,
+}
+
+
+def test_bench_harness_on_cpu():
+    cfg = ModelConfig.from_hf_dict(TINY)
+    out = bench_ours(cfg, [1, 3], context=40, prefills=[24, 48], steps=5, device="cpu")
+    for b in (1, 3):
+        d = out["decode"][b]
+        assert d["tok_s"] > 0 and d["ms_per_step"] > 0 and d["graph_ms"] is None
+        assert d["bytes_per_step"] == bytes_per_step(cfg, b, 40)
+    assert set(out["prefill"]) == {24, 48} and all(p["tok_s"] > 0 for p in out["prefill"].values())
+
+
+def test_bytes_per_step_grows_with_batch_and_context():
+    cfg = ModelConfig.from_hf_dict(TINY)
+    assert bytes_per_step(cfg, 8, 40) > bytes_per_step(cfg, 1, 40)
+    assert bytes_per_step(cfg, 1, 4000) > bytes_per_step(cfg, 1, 40)
