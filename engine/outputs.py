@@ -16,6 +16,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # output tokens committed inside the reasoning block (cumulative)
     error: str | None = None
     error_code: str | None = None  # e.g. "request_queue_timeout"
     # timings in seconds, filled on the final output

@@ -52,6 +52,8 @@ class Request:
     finish_time: float | None = None
     error_code: str | None = None
     times_paused: int = 0
+    thinking: Any = None  # ThinkingState (engine/thinking.py) when params.thinking is set
+    admitted_time: float | None = None  # when the request was first admitted
 
     @property
     def all_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    thinking: ThinkingControl | None = None  # the output starts inside a reasoning block
 
     def __post_init__(self) -> None:
         checks = [
@@ -39,6 +40,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class ThinkingControl:
+    """Reasoning accounting for an output that starts inside an open reasoning block.
+
+    ``end_id``: the token that closes the block (``</think>``). ``budget``: after this many
+    reasoning tokens the engine commits ``close_ids`` (guidance text ending in the close marker)
+    instead of sampling, then continues (``engine/thinking.py``)."""
+
+    end_id: int
+    budget: int | None = None
+    close_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (self.budget < 1 or self.end_id not in self.close_ids):
+            raise SamplingParamError("thinking_budget", "a thinking budget must be >= 1 and its close "
+                                     "suffix must contain the close token")
 
 
 class SamplingParamError(ValueError):

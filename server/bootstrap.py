@@ -15,7 +15,8 @@ from ..engine.frontend.tokenizer import Tokenizer
 from ..engine.loader import Checkpoint, load_checkpoint, load_model
 from ..engine.loop import EngineLoop
 from ..engine.models.base import CausalLM
-from .state import SamplingDefaults, ServerState
+from . import observability
+from .state import SamplingDefaults, ServerState, ThinkingDefaults
 
 log = logging.getLogger("ninfer.server")
 
@@ -87,6 +88,27 @@ def sampling_defaults(args: argparse.Namespace, ckpt: Checkpoint) -> SamplingDef
     )
 
 
+def gateway_settings(args: argparse.Namespace) -> dict:
+    """The gateway's own flags as ``ServerState`` fields (validated here, at startup)."""
+    from .openai_responses.store import ResponseStore
+
+    for flag, value in (("--max-request-mib", args.max_request_mib), ("--response-store-mib", args.response_store_mib)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 0:
+        raise ValueError(f"--default-max-tokens must be >= 0, got {args.default_max_tokens}")
+    origins = tuple(o.strip() for o in (args.cors or "").split(",") if o.strip())
+    return dict(
+        thinking=ThinkingDefaults(enable_thinking=False if args.no_thinking else None,
+                                  preserve_thinking=True if args.preserve_thinking else None,
+                                  budget=args.default_thinking_budget),
+        default_max_tokens=args.default_max_tokens,
+        max_request_bytes=int(args.max_request_mib * (1 << 20)),
+        cors_origins=origins,
+        responses=ResponseStore(int(args.response_store_mib * (1 << 20))),
+    )
+
+
 def eos_ids(ckpt: Checkpoint, tokenizer: Tokenizer) -> frozenset[int]:
     ids = set(ckpt.generation.eos_token_ids) | set(ckpt.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -135,5 +157,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, model: CausalLM, 
         sampling=sampling_defaults(args, ckpt),
         generation=ckpt.generation,
         api_key=args.api_key,
+        **gateway_settings(args),
     )
+    state.observability = observability.setup(args, state)
     return state, loop

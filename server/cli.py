@@ -12,6 +12,10 @@ log = logging.getLogger("ninfer.server")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_ENGINE_FAILURE = 2
+# --log-level -> (Python logging level, uvicorn log level)
+LOG_LEVELS = {"trace": (logging.DEBUG, "trace"), "debug": (logging.DEBUG, "debug"), "info": (logging.INFO, "info"),
+              "warning": (logging.WARNING, "warning"), "error": (logging.ERROR, "error"),
+              "critical": (logging.CRITICAL, "critical"), "off": (logging.CRITICAL + 10, "critical")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
     p.add_argument("--min-p", type=float, default=None, help="default min_p")
     p.add_argument("--repetition-penalty", type=float, default=None, help="default repetition penalty")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="output tokens when a request sets no limit (default: up to the context)")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="start requests with thinking off unless they ask for it (enable_thinking, reasoning effort)")
+    p.add_argument("--preserve-thinking", action="store_true",
+                   help="keep the reasoning of every past assistant turn in the prompt unless a request says not")
+    p.add_argument("--default-thinking-budget", type=int, default=None, metavar="N",
+                   help="close the reasoning of thinking requests after N tokens and let the answer continue")
+    p.add_argument("--cors", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API ('*' for any)")
+    p.add_argument("--max-request-mib", type=float, default=32,
+                   help="refuse request bodies larger than this with HTTP 413 (default 32)")
+    p.add_argument("--response-store-mib", type=float, default=256,
+                   help="memory for stored Responses (previous_response_id), least recently used dropped first")
+    p.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="stderr verbosity")
+    p.add_argument("--log-stats-interval-ms", type=int, default=5000,
+                   help="a throughput line on stderr this often while busy (0: never)")
+    p.add_argument("--request-log-jsonl", default=None, metavar="FILE",
+                   help="append one JSON record per server/request event to FILE (no prompt or output text)")
     return p
 
 
@@ -58,7 +80,8 @@ def _kv_capacity(value: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level, uvicorn_level = LOG_LEVELS[args.log_level]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from .bootstrap import build_state
 
@@ -72,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
 
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
                                            timeout_graceful_shutdown=3))
     failure: list[BaseException] = []
 

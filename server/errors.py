@@ -12,6 +12,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -38,8 +39,14 @@ class APIError(Exception):
         }
 
 
-def unsupported(param: str, what: str | None = None) -> APIError:
-    return APIError(400, f"'{param}' is not supported{': ' + what if what else ''}", param, "unsupported_parameter")
+def unsupported(param: str, what: str | None = None, code: str = "unsupported_parameter") -> APIError:
+    """A recognised field asking for something this server cannot do (400 naming the field)."""
+    return APIError(400, f"'{param}' is not supported{': ' + what if what else ''}", param, code)
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    """A malformed value (400 naming the field)."""
+    return APIError(400, message, param, code)
 
 
 _ENGINE_STATUS = {"server_overloaded": 429, "request_queue_timeout": 503, "engine_failed": 503}
@@ -91,6 +98,8 @@ def install_handlers(app) -> None:
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), None, None)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}" if code else str(exc.detail)
+        err = APIError(exc.status_code, message, None, code)
         return JSONResponse(err.body(), status_code=exc.status_code)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.frontend.chat_template import ChatTemplate
@@ -22,6 +23,19 @@ class SamplingDefaults:
 
 
 @dataclass
+class ThinkingDefaults:
+    """Server flags for reasoning: None leaves the choice to the chat template's default."""
+
+    enable_thinking: bool | None = None  # --no-thinking -> False
+    preserve_thinking: bool | None = None  # --preserve-thinking -> True
+    budget: int | None = None  # --default-thinking-budget, for requests that start thinking
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"--default-thinking-budget must be >= 1, got {self.budget}")
+
+
+@dataclass
 class ServerState:
     engine: AsyncEngine
     tokenizer: Tokenizer
@@ -31,4 +45,11 @@ class ServerState:
     sampling: SamplingDefaults
     generation: GenerationDefaults
     api_key: str | None = None
+    thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)
+    default_max_tokens: int | None = None  # output tokens when a request names none (None: to the context)
+    max_request_bytes: int = 32 << 20  # raw request bodies beyond this get 413 before parsing
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
+    keepalive_s: float = 5.0  # an SSE comment after this long without an event
+    responses: Any = None  # ResponseStore (server/openai_responses/store.py)
+    observability: Any = None  # Observability hub (server/observability), set by bootstrap
     created: int = field(default_factory=lambda: int(time.time()))

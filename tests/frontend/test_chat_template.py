@@ -148,9 +148,11 @@ def test_rendered_answer_extends_the_prompt(qwen: ChatTemplate) -> None:
         assert full == prompt + generated + "<|im_end|>\n"
 
 
-def test_system_message_must_come_first(qwen: ChatTemplate) -> None:
-    with pytest.raises(TemplateError, match="first"):
-        qwen.render([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+def test_later_system_messages_keep_their_place(qwen: ChatTemplate) -> None:
+    out = qwen.render([{"role": "user", "content": "a"}, {"role": "developer", "content": " b "},
+                       {"role": "user", "content": "c"}], enable_thinking=False)
+    assert out.startswith("<|im_start|>user\na<|im_end|>\n<|im_start|>system\nb<|im_end|>\n"
+                          "<|im_start|>user\nc<|im_end|>\n")
     with pytest.raises(TemplateError, match="role"):
         qwen.render([{"role": "wizard", "content": "a"}])
 

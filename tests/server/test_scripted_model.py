@@ -11,7 +11,9 @@ from support.scripted import scripted_state
 
 @pytest.fixture(scope="module")
 def client():
-    state, loop = scripted_state({"capital": "The capital of France is Paris. 巴黎 🇫🇷"})
+    # thinking off: the scripts are answers, not reasoning
+    state, loop = scripted_state({"capital": "The capital of France is Paris. 巴黎 🇫🇷"}, "Hello! How can I help?",
+                                 "--no-thinking")
     loop.start()
     with LiveServer(create_app(state)) as server:
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")

@@ -2,7 +2,9 @@
 
 Small random or real models will not write tool-call markup or long reasoning on cue; this one
 does. The script is picked by a keyword found in the prompt (the one occurring last wins), and the
-model's logits put all mass on the script's next token, then on eos once the script is spent.
+model's logits put all mass on the script's next token, then on eos once the script is spent. If
+the engine forces a ``</think>`` that the script did not have there (a thinking budget), the
+script continues after its own ``</think>``.
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ class ScriptedLM(CausalLM):
         self.scripts = {k: tokenizer.encode(v) for k, v in scripts.items()}
         self.default = tokenizer.encode(default)
         self.eos_id = eos_id
-        self._chosen: dict[int, tuple[int, list[int]]] = {}  # id(cache) -> (prompt length, script ids)
+        self._chosen: dict[int, list] = {}  # id(cache) -> [prompt length, script ids, index shift]
+        # a </think> the engine forced in (thinking budget) resumes the script after its own </think>
+        self.close_id = tokenizer.token_to_id("</think>")
         self.step_delay = 0.0  # seconds each forward takes, to hold requests open in tests
 
     def _choose(self, prompt_text: str) -> list[int]:
@@ -49,10 +53,16 @@ class ScriptedLM(CausalLM):
         for (start, end), cache in zip(batch.slices, batch.caches):
             if cache.num_tokens == 0:  # the whole prompt arrives in one chunk in these tests
                 text = self.tokenizer.decode(input_ids[start:end].tolist())
-                self._chosen[id(cache)] = (end - start, self._choose(text))
-            prompt_len, script = self._chosen[id(cache)]
-            for pos in batch.positions[start:end].tolist():
-                i = pos + 1 - prompt_len  # index of the token this row predicts
+                self._chosen[id(cache)] = [end - start, self._choose(text), 0]
+            chosen = self._chosen[id(cache)]
+            prompt_len, script = chosen[0], chosen[1]
+            for pos, token in zip(batch.positions[start:end].tolist(), input_ids[start:end].tolist()):
+                at = pos - prompt_len + chosen[2]  # script index of the token fed at ``pos``
+                if token == self.close_id and pos >= prompt_len and not (0 <= at < len(script) and
+                                                                         script[at] == token):
+                    if self.close_id in script:  # forced: continue after the script's own close
+                        chosen[2] = script.index(self.close_id) - (pos - prompt_len)
+                i = pos + 1 - prompt_len + chosen[2]  # index of the token this row predicts
                 rows.append(script[i] if 0 <= i < len(script) else self.eos_id)
         batch.advance_caches()
         return torch.tensor(rows, dtype=torch.float32).unsqueeze(1)

@@ -1,0 +1,197 @@
+"""From a normalised conversation to an engine request, and the engine call: shared by every API.
+
+An API family translates its request into template messages, tool definitions, template options
+and sampling values; ``prepare`` renders and tokenizes the prompt, checks it against the context,
+resolves reasoning (does the output start inside ``<think>``? which budget?) and builds the
+``SamplingParams``. ``start`` submits it and waits for admission, so that overload and queue
+timeouts are ordinary HTTP errors; the outputs that follow are the caller's to translate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+from ..engine.async_engine import EngineError
+from ..engine.frontend.chat_template import TemplateError
+from ..engine.frontend.reasoning import THINK_CLOSE, prompt_opens_reasoning
+from ..engine.frontend.tool_parser import ToolSpec
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParamError, SamplingParams, ThinkingControl
+from .errors import APIError, engine_error, invalid, unsupported
+from .state import ServerState
+
+# Qwen's early-close guidance, committed when a thinking budget runs out; ends with the close marker.
+THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the solution based on "
+                       "the thinking directly now.\n" + THINK_CLOSE + "\n\n")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
+# what chat_template_kwargs may not set: the conversation, the generation mode, special tokens
+RESERVED_KWARGS = frozenset(["messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                             "bos_token", "eos_token", "pad_token", "unk_token"])
+
+
+@dataclass
+class Sampling:
+    """Sampling values as a request gives them; None takes the server default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+
+
+@dataclass
+class Prepared:
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    starts_in_reasoning: bool  # the prompt ends inside an open <think>
+    tools: list[ToolSpec] = field(default_factory=list)  # functions the output may call
+
+
+def template_options(state: ServerState, kwargs: Mapping[str, Any] | None, typed: Mapping[str, Any],
+                     kwargs_param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The template variables of a request: ``kwargs`` merged with the typed fields ``typed``
+    (``enable_thinking``, ``preserve_thinking``, ``reasoning_effort``; None = unspecified), which
+    must agree where both are given, then the server's defaults. ``reasoning_effort: "none"``
+    turns thinking off; any other effort leaves it to the template."""
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise invalid(kwargs_param, f"'{kwargs_param}' must be a JSON object")
+    out = dict(kwargs or {})
+    for key in out:
+        if key in RESERVED_KWARGS:
+            raise unsupported(f"{kwargs_param}.{key}", "messages, tools, the generation mode and special "
+                              "tokens cannot be set through template kwargs")
+    for name in STANDARD_OPTIONS:
+        given, typed_value = out.pop(name, None), typed.get(name)
+        if given is not None and typed_value is not None and given != typed_value:
+            raise APIError(400, f"'{name}' is given twice with different values ({typed_value!r} and "
+                           f"{kwargs_param}.{name}={given!r})", name, "conflicting_template_option")
+        value = typed_value if typed_value is not None else given
+        if value is None:
+            continue
+        if name == "reasoning_effort" and value not in REASONING_EFFORTS:
+            raise invalid(name, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
+        if name != "reasoning_effort" and not isinstance(value, bool):
+            raise invalid(name, f"'{name}' must be a boolean")
+        out[name] = value
+    effort = out.get("reasoning_effort")
+    if effort is not None:
+        wants = effort != "none"
+        if out.get("enable_thinking", wants) != wants:
+            raise APIError(400, f"reasoning_effort={effort!r} conflicts with enable_thinking="
+                           f"{out['enable_thinking']!r}", "reasoning_effort", "conflicting_template_option")
+        if not wants:
+            out["enable_thinking"] = False
+        elif state.thinking.enable_thinking is False:
+            out["enable_thinking"] = True  # an explicit effort overrides --no-thinking
+    if "enable_thinking" not in out and state.thinking.enable_thinking is not None:
+        out["enable_thinking"] = state.thinking.enable_thinking
+    if "preserve_thinking" not in out and state.thinking.preserve_thinking is not None:
+        out["preserve_thinking"] = state.thinking.preserve_thinking
+    return out
+
+
+def lower_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer turns become system turns: chat templates know only system, user, assistant, tool."""
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
+def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  options: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
+    try:
+        text = state.template.render(messages, add_generation_prompt=True, tools=tools or None, **options)
+    except TemplateError as exc:
+        raise APIError(400, f"the conversation cannot be rendered: {exc}", param, "invalid_prompt") from exc
+    return text, state.tokenizer.encode(text)
+
+
+def check_context(state: ServerState, prompt_tokens: int, param: str = "messages") -> None:
+    if prompt_tokens >= state.max_context:
+        raise APIError(400, f"the prompt has {prompt_tokens} tokens; this server's context is "
+                       f"{state.max_context} tokens (--max-context)", param, "context_length_exceeded")
+
+
+def thinking_control(state: ServerState, prompt_text: str, prompt_tokens: int, max_tokens: int | None,
+                     budget: int | None, budget_param: str = "thinking_budget") -> tuple[bool, ThinkingControl | None]:
+    """(output starts inside reasoning, its engine control). A budget applies only to output that
+    starts in reasoning; the request's ``budget`` overrides ``--default-thinking-budget``."""
+    if not prompt_opens_reasoning(prompt_text):
+        return False, None
+    end_id = state.tokenizer.token_to_id(THINK_CLOSE)
+    if end_id is None:  # the close tag is not one token: no accounting
+        return True, None
+    budget = state.thinking.budget if budget is None else budget
+    if budget is None:
+        return True, ThinkingControl(end_id)
+    close_ids = tuple(state.tokenizer.encode(THINKING_CLOSE_TEXT))
+    capacity = state.max_context - prompt_tokens
+    if max_tokens is not None:
+        capacity = min(capacity, max_tokens)
+    if budget < capacity < budget + len(close_ids) + 1:
+        raise APIError(400, f"the output limit ({capacity} tokens) reaches past the thinking budget ({budget}) "
+                       f"but cannot hold the {len(close_ids)}-token close and one answer token",
+                       budget_param, "thinking_budget_capacity_insufficient")
+    return True, ThinkingControl(end_id, budget, close_ids)
+
+
+def sampling_params(state: ServerState, s: Sampling, thinking: ThinkingControl | None = None) -> SamplingParams:
+    d = state.sampling
+    try:
+        return SamplingParams(
+            temperature=d.temperature if s.temperature is None else s.temperature,
+            top_p=d.top_p if s.top_p is None else s.top_p,
+            top_k=d.top_k if s.top_k is None else s.top_k,
+            min_p=d.min_p if s.min_p is None else s.min_p,
+            presence_penalty=s.presence_penalty or 0.0,
+            frequency_penalty=s.frequency_penalty or 0.0,
+            repetition_penalty=d.repetition_penalty,
+            seed=None if s.seed is None else s.seed & ((1 << 64) - 1),
+            max_tokens=state.default_max_tokens if s.max_tokens is None else s.max_tokens,
+            stop=list(s.stop),
+            thinking=thinking,
+        )
+    except SamplingParamError as exc:
+        raise invalid(exc.param, str(exc)) from exc
+
+
+def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+            tool_specs: Sequence[ToolSpec] = (), options: Mapping[str, Any] | None = None,
+            sampling: Sampling | None = None, thinking_budget: int | None = None,
+            budget_param: str = "thinking_budget", prompt_param: str = "messages") -> Prepared:
+    """Render, tokenize and check one chat request; ``tools`` are rendered in the prompt,
+    ``tool_specs`` are what the output parser may turn into calls."""
+    sampling = sampling or Sampling()
+    messages = lower_roles(messages)
+    text, ids = render_prompt(state, messages, tools, options or {}, prompt_param)
+    check_context(state, len(ids), prompt_param)
+    max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
+    starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
+    params = sampling_params(state, sampling, control)
+    return Prepared(text, ids, params, starts, list(tool_specs))
+
+
+async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+              request_id: str) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, engine errors as HTTP errors."""
+    try:
+        async for out in state.engine.generate(prompt_ids, params, request_id):
+            yield out
+    except EngineError as exc:
+        raise engine_error(exc) from exc
+
+
+async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                request_id: str) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """Submit and wait for admission; return the admission output and the iterator of the rest."""
+    outputs = run(state, prompt_ids, params, request_id)
+    first = await anext(outputs)
+    if not first.admitted:
+        raise RuntimeError("engine published output before admission")
+    return first, outputs
+

@@ -1,0 +1,135 @@
+"""What the OpenAI API families share: model check, ids, usage and timings, function tools."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ..engine.frontend.tool_parser import ToolSpec
+from ..engine.outputs import RequestOutput
+from .errors import APIError, invalid, unsupported
+from .state import ServerState
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_id:
+        raise APIError(400, f"model '{model}' does not exist; this server serves '{state.model_id}'",
+                       "model", "model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def chat_usage(final: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
+    }
+
+
+def _rates(cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> dict[str, Any]:
+    intervals = max(predicted_n - 1, 0)  # the first token belongs to prompt latency
+    prompt_ms, predicted_ms = max(prompt_s, 0.0) * 1000.0, max(predicted_s, 0.0) * 1000.0
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if prompt_n and prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / intervals if intervals else 0.0,
+        "predicted_per_second": intervals / (predicted_ms / 1000.0) if intervals and predicted_ms > 0 else 0.0,
+    }
+
+
+def timings(final: RequestOutput) -> dict[str, Any]:
+    """llama.cpp-compatible terminal timings from the engine's own clock."""
+    return _rates(final.cached_tokens, final.prompt_tokens - final.cached_tokens, final.prefill_time or 0.0,
+                  final.completion_tokens, final.decode_time or 0.0)
+
+
+class TimingClock:
+    """Cumulative timings while a request streams (``timings_per_token``), on the gateway's clock."""
+
+    def __init__(self, admitted: RequestOutput) -> None:
+        self.t0 = time.monotonic()
+        self.cached = admitted.cached_tokens
+        self.prompt = admitted.prompt_tokens
+        self.t_first: float | None = None
+        self.predicted = 0
+
+    def observe(self, out: RequestOutput) -> None:
+        if out.completion_tokens and self.t_first is None:
+            self.t_first = time.monotonic()
+        self.predicted = max(self.predicted, out.completion_tokens)
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        first = self.t_first if self.t_first is not None else now
+        return _rates(self.cached, self.prompt - self.cached, first - self.t0, self.predicted,
+                      now - first if self.t_first is not None else 0.0)
+
+
+# ---------------------------------------------------------------------------- function tools
+@dataclass
+class FunctionTool:
+    """A declared function: how the template shows it, and what the output parser may call."""
+
+    name: str  # the engine identity (for Responses namespaces: "namespace.name")
+    template: dict[str, Any]  # {"type": "function", "function": {...}} as the template renders it
+    parameters: Mapping[str, Any] | None
+    namespace: str | None = None
+    public_name: str | None = None  # the name in the API when it differs from ``name``
+
+    @property
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.parameters)
+
+
+def function_tool(fn: Any, param: str, *, name: str | None = None, namespace: str | None = None,
+                  extra_description: str | None = None) -> FunctionTool:
+    """Validate one function definition (``fn``: name, description, parameters, strict)."""
+    if not isinstance(fn, Mapping):
+        raise invalid(param, f"'{param}' must be an object")
+    public = fn.get("name")
+    if not isinstance(public, str) or not public:
+        raise invalid(f"{param}.name", "a function needs a non-empty string 'name'")
+    if any(c in public for c in "<>\n"):
+        raise invalid(f"{param}.name", f"function name {public!r} cannot be written in the model's call format")
+    if fn.get("strict") is True:
+        raise unsupported(f"{param}.strict", "strict schema adherence needs constrained decoding")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"{param}.description", "'description' must be a string")
+    parameters = fn.get("parameters")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise invalid(f"{param}.parameters", "'parameters' must be a JSON schema object")
+    if fn.get("defer_loading"):
+        raise unsupported(f"{param}.defer_loading", "every declared function is shown to the model")
+    if fn.get("output_schema") is not None:
+        raise unsupported(f"{param}.output_schema", "output schemas cannot be enforced")
+    callers = fn.get("allowed_callers")
+    if callers is not None and "direct" not in callers:
+        raise unsupported(f"{param}.allowed_callers", "the model calls functions directly")
+    engine_name = name or public
+    # what the template shows, in the received member order
+    shown = {k: v for k, v in fn.items() if k in ("name", "description", "parameters") and v is not None}
+    shown["name"] = engine_name
+    if extra_description:
+        shown["description"] = f"{extra_description}\n{description}" if description else extra_description
+    return FunctionTool(engine_name, {"type": "function", "function": shown}, parameters, namespace,
+                        public if engine_name != public else None)
+
+
+def unique_names(tools: Sequence[FunctionTool], param: str) -> None:
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise invalid(f"{param}[{i}]", f"function '{tool.name}' is declared twice")
+        seen.add(tool.name)

@@ -1,0 +1,96 @@
+"""Pydantic model of a legacy Completions request (raw prompt, no chat template)."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import invalid, unsupported
+from ..generation import Sampling
+
+DEFAULT_MAX_TOKENS = 16  # the legacy API's documented default
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=20)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    n: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # constrained decoding, by its common names
+    response_format: dict[str, Any] | None = None
+    grammar: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Union[str, list[str], None]) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    def reject_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise unsupported("n", "one choice per request")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "one candidate per request")
+        if self.logprobs:
+            raise unsupported("logprobs", "log probabilities are not available yet")
+        if self.suffix:
+            raise unsupported("suffix", "insertion (fill-in-the-middle) is not supported")
+        if self.logit_bias and any(v != 0 for v in self.logit_bias.values()):
+            raise unsupported("logit_bias", "logit bias is not applied by this server")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1:
+            raise unsupported("repetition_penalty", "only the neutral value 1")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "structured output needs constrained decoding")
+        for name in ("grammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, "constrained decoding is not available")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "'stream_options' requires 'stream': true")
+
+    def one_prompt(self) -> str | list[int]:
+        """The single prompt: a string or token ids (a batch of several is refused)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise unsupported("prompt", "one prompt per request")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise invalid("prompt", "the prompt is empty")
+        return p
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        seed=self.seed, max_tokens=self.max_tokens, stop=list(self.stop or []))

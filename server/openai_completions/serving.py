@@ -1,0 +1,84 @@
+"""Legacy Completions: the prompt as given, the engine call, aggregate and streamed responses."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from ...engine.outputs import RequestOutput
+from ..errors import APIError, invalid
+from ..generation import check_context, sampling_params
+from ..openai_common import check_model, new_id, timings
+from ..state import ServerState
+from ..streaming import sse_data
+from .protocol import CompletionRequest
+
+
+class PreparedCompletion:
+    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
+        check_model(state, req.model)
+        req.reject_unsupported()
+        prompt = req.one_prompt()
+        if isinstance(prompt, str):
+            self.prompt_text, self.prompt_ids = prompt, state.tokenizer.encode(prompt)
+            if not self.prompt_ids:
+                raise invalid("prompt", "the prompt is empty")
+        else:
+            vocab = state.tokenizer.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            self.prompt_ids = list(prompt)
+            self.prompt_text = state.tokenizer.decode(self.prompt_ids) if req.echo else ""
+        check_context(state, len(self.prompt_ids), "prompt")
+        self.params = sampling_params(state, req.sampling())
+        self.req = req
+        self.id = new_id("cmpl-")
+        self.created = int(time.time())
+        self.model = state.model_id
+
+
+def _usage(final: RequestOutput) -> dict[str, Any]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def _finish_reason(final: RequestOutput) -> str:
+    return "length" if final.finish_reason == "length" else "stop"
+
+
+async def complete(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+    text = [c.prompt_text] if c.req.echo else []
+    final: RequestOutput | None = None
+    async for out in outputs:
+        text.append(out.text)
+        final = out
+    assert final is not None and final.finished
+    return {
+        "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
+        "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": _finish_reason(final)}],
+        "usage": _usage(final),
+        "timings": timings(final),
+    }
+
+
+async def stream(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    include_usage = bool(c.req.stream_options and c.req.stream_options.include_usage)
+
+    def chunk(text: str | None, finish: str | None = None, **extra: Any) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        return sse_data({"id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
+                         "choices": choices, **extra})
+
+    if c.req.echo and c.prompt_text:
+        yield chunk(c.prompt_text)
+    try:
+        async for out in outputs:
+            if out.finished:
+                yield chunk(out.text, _finish_reason(out), **({} if include_usage else {"timings": timings(out)}))
+                if include_usage:
+                    yield chunk(None, usage=_usage(out), timings=timings(out))
+            elif out.text:
+                yield chunk(out.text)
+    except APIError as exc:
+        yield sse_data(exc.body())
+    yield sse_data("[DONE]")

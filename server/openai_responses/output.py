@@ -1,0 +1,106 @@
+"""Parsed assistant output as Responses output Items and their semantic stream events.
+
+``OutputBuilder`` receives ``AssistantOutputParser`` events and keeps the output Items: a
+reasoning Item (raw ``reasoning_text``, empty summary), an assistant message with one
+``output_text`` part, and ``function_call`` Items. For each change it calls ``emit(type, body)``
+with the matching SSE event (without ``sequence_number``, which the stream adds).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ...engine.frontend.assistant_output import AssistantEvent, ContentText, ReasoningText
+from ...engine.frontend.tool_parser import ToolCall
+from ..openai_common import FunctionTool, new_id
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+class OutputBuilder:
+    def __init__(self, tools: dict[str, FunctionTool], emit: Emit | None = None) -> None:
+        self.tools = tools
+        self.emit: Emit = emit or (lambda kind, body: None)
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the reasoning or message Item receiving text
+        self._text: list[str] = []
+
+    def push(self, events: list[AssistantEvent]) -> None:
+        for event in events:
+            if isinstance(event, ReasoningText):
+                self._delta("reasoning", event.text)
+            elif isinstance(event, ContentText):
+                self._delta("message", event.text)
+            else:
+                self._call(event)
+
+    def close(self, status: str = "completed") -> None:
+        """Finish the open Item (``status``: completed, or incomplete when the output was cut)."""
+        item = self._open
+        if item is None:
+            return
+        self._open = None
+        text = "".join(self._text)
+        index = len(self.items) - 1
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            item["content"] = [part]
+            self.emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
+                                                       "content_index": 0, "text": text})
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item["content"] = [part]
+            self.emit("response.output_text.done", {"item_id": item["id"], "output_index": index,
+                                                    "content_index": 0, "text": text, "logprobs": []})
+        item["status"] = status
+        self.emit("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                 "content_index": 0, "part": part})
+        self.emit("response.output_item.done", {"output_index": index, "item": item})
+
+    def _delta(self, kind: str, text: str) -> None:
+        if self._open is None or self._open["type"] != kind:
+            self.close()
+            if kind == "reasoning":
+                item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [],
+                        "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
+                        "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.items.append(item)
+            self._open, self._text = item, []
+            index = len(self.items) - 1
+            self.emit("response.output_item.added", {"output_index": index, "item": _copy(item)})
+            self.emit("response.content_part.added", {"item_id": item["id"], "output_index": index,
+                                                      "content_index": 0, "part": part})
+        self._text.append(text)
+        body = {"item_id": self._open["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                "delta": text}
+        if kind == "reasoning":
+            self.emit("response.reasoning_text.delta", body)
+        else:
+            self.emit("response.output_text.delta", {**body, "logprobs": []})
+
+    def _call(self, call: ToolCall) -> None:
+        self.close()
+        tool = self.tools[call.name]
+        item: dict[str, Any] = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                                "arguments": "", "call_id": new_id("call_"),
+                                "name": tool.public_name or tool.name}
+        if tool.namespace:
+            item["namespace"] = tool.namespace
+        self.items.append(item)
+        index = len(self.items) - 1
+        self.emit("response.output_item.added", {"output_index": index, "item": _copy(item)})
+        for piece in call.argument_pieces:
+            self.emit("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index,
+                                                                 "delta": piece})
+        item["arguments"] = call.arguments
+        item["status"] = "completed"
+        self.emit("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                            "arguments": call.arguments})
+        self.emit("response.output_item.done", {"output_index": index, "item": _copy(item)})
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in item.items()}

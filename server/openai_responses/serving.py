@@ -1,0 +1,242 @@
+"""Responses Core: preparation (stored history, Items, tools), the engine call, the Response
+object, its SSE lifecycle, and storage for continuation."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from ...engine.frontend.assistant_output import AssistantOutputParser
+from ...engine.outputs import RequestOutput
+from ..errors import APIError, invalid, unsupported
+from ..generation import Sampling, check_context, lower_roles, prepare, render_prompt, template_options
+from ..openai_common import FunctionTool, check_model, function_tool, new_id, unique_names
+from ..state import ServerState
+from ..streaming import sse_event
+from .items import engine_name, normalize_input, to_messages
+from .output import OutputBuilder
+from .protocol import InputTokensRequest, ResponsesRequest
+from .store import ResponseStore, StoredResponse
+
+
+# ---------------------------------------------------------------------------- tools
+def response_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    out: list[FunctionTool] = []
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(function_tool(tool, f"tools[{i}]"))
+        elif kind == "namespace":
+            ns = tool.get("name")
+            if not isinstance(ns, str) or not ns or any(c in ns for c in "<>\n"):
+                raise invalid(f"tools[{i}].name", "a namespace needs a non-empty 'name'")
+            members = tool.get("tools")
+            if not isinstance(members, list) or not members:
+                raise invalid(f"tools[{i}].tools", "a namespace needs a non-empty 'tools' array")
+            desc = tool.get("description")
+            for j, fn in enumerate(members):
+                at = f"tools[{i}].tools[{j}]"
+                if not isinstance(fn, dict) or fn.get("type", "function") != "function":
+                    raise unsupported(f"{at}.type", "namespaces hold function tools only")
+                name = fn.get("name") if isinstance(fn.get("name"), str) else ""
+                out.append(function_tool(fn, at, name=engine_name(name, ns) if name else None, namespace=ns,
+                                         extra_description=f"[{ns}] {desc}" if desc else f"[{ns}]"))
+        else:
+            raise unsupported(f"tools[{i}].type", f"'{kind}' tools (hosted, MCP and custom tools are not "
+                              "available; declare function tools)")
+    unique_names(out, "tools")
+    return out
+
+
+def callable_tools(tools: list[FunctionTool], choice: Any, parallel: bool | None) -> list[FunctionTool]:
+    if choice is None or choice == "auto":
+        allowed = tools
+    elif choice == "none":
+        allowed = []
+    elif choice == "required":
+        raise unsupported("tool_choice", "'required' needs constrained decoding; use 'auto'")
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        if choice.get("mode", "auto") != "auto":
+            raise unsupported("tool_choice.mode", "only mode 'auto'")
+        names = []
+        for j, ref in enumerate(choice.get("tools") or []):
+            if not isinstance(ref, dict) or ref.get("type") != "function" or not isinstance(ref.get("name"), str):
+                raise unsupported(f"tool_choice.tools[{j}]", "only function tools can be allowed")
+            name = engine_name(ref["name"], ref.get("namespace"))
+            if name not in {t.name for t in tools}:
+                raise invalid(f"tool_choice.tools[{j}]", f"no declared function {name!r}")
+            names.append(name)
+        allowed = [t for t in tools if t.name in names]
+    elif isinstance(choice, dict):
+        raise unsupported("tool_choice", "a named or hosted tool choice; use 'auto'")
+    else:
+        raise invalid("tool_choice", f"unknown tool_choice {choice!r}")
+    if allowed and parallel is False:
+        raise unsupported("parallel_tool_calls", "false cannot be enforced while tools are callable")
+    return allowed
+
+
+# ---------------------------------------------------------------------------- preparation
+class PreparedResponse:
+    """A Create or input-token request resolved against the store: Items, tools, prompt."""
+
+    def __init__(self, req: ResponsesRequest | InputTokensRequest, state: ServerState) -> None:
+        if req.model is not None:
+            check_model(state, req.model)
+        if isinstance(req, ResponsesRequest):
+            req.reject_unsupported()
+        else:
+            req.reject_common()
+        self.parent: StoredResponse | None = None
+        if req.previous_response_id is not None:
+            self.parent = state.responses.get(req.previous_response_id)
+            if self.parent is None:
+                raise APIError(404, f"previous response '{req.previous_response_id}' is not stored (never stored, "
+                               "deleted, evicted, or store: false)", "previous_response_id",
+                               "previous_response_not_found")
+        self.context = list(self.parent.context) if self.parent else []
+        self.input_items = normalize_input(req.input, [i["id"] for i in self.context])
+        history = self.context + self.input_items
+        if not any(i["type"] == "message" and i["role"] == "user" for i in history):
+            raise invalid("input", "the conversation needs a user message")
+        self.tools = callable_tools(response_tools(req.tools), req.tool_choice, req.parallel_tool_calls)
+        kwargs = req.chat_template_kwargs or {}
+        preserve = req.preserve_thinking
+        if preserve is None and kwargs.get("preserve_thinking") is None and self.parent is not None:
+            preserve = self.parent.preserve_thinking
+        self.options = template_options(state, kwargs, {"preserve_thinking": preserve,
+                                                        "reasoning_effort": req.effort})
+        self.preserve_thinking = self.options.get("preserve_thinking")
+        self.messages = to_messages(history, req.instructions)
+        self.req = req
+
+
+def count_input_tokens(req: InputTokensRequest, state: ServerState) -> dict[str, Any]:
+    p = PreparedResponse(req, state)
+    _, ids = render_prompt(state, lower_roles(p.messages), [t.template for t in p.tools], p.options, "input")
+    check_context(state, len(ids), "input")
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
+class ResponseRun:
+    """One Create: the prepared prompt, then the Response object as the output arrives."""
+
+    def __init__(self, req: ResponsesRequest, state: ServerState) -> None:
+        self.p = PreparedResponse(req, state)
+        self.req = req
+        self.state = state
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
+        self.prepared = prepare(state, self.p.messages, tools=[t.template for t in self.p.tools],
+                                tool_specs=[t.spec for t in self.p.tools], options=self.p.options,
+                                sampling=sampling, thinking_budget=req.thinking_budget, budget_param="thinking_budget",
+                                prompt_param="input")
+        self.id = new_id("resp_")
+        self.created = time.time()
+        self.store: ResponseStore = state.responses
+
+    def parser(self) -> AssistantOutputParser:
+        return AssistantOutputParser(self.prepared.starts_in_reasoning, self.prepared.tools)
+
+    def obj(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
+            error: dict[str, Any] | None = None) -> dict[str, Any]:
+        req, params = self.req, self.prepared.params
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": time.time() if status == "completed" else None,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls, "model": self.state.model_id, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.effort, "summary": None}, "store": req.store is not False,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "top_logprobs": 0, "truncation": "disabled",
+            "usage": _usage(final) if final is not None else None,
+            "user": req.user, "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key, "metadata": req.metadata or {},
+            "service_tier": "default", "background": False,
+        }
+
+    def finish(self, builder: OutputBuilder, final: RequestOutput) -> dict[str, Any]:
+        """The terminal Response; stored when asked (before it is shown, so a refusal is visible)."""
+        status = "incomplete" if final.finish_reason == "length" else "completed"
+        builder.close("incomplete" if status == "incomplete" else "completed")
+        response = self.obj(status, builder.items, final)
+        if self.req.store is not False:
+            context = self.p.context + self.p.input_items + [dict(i) for i in builder.items]
+            self.store.put(self.id, response, self.p.input_items, context, self.p.preserve_thinking)
+        return response
+
+
+def _usage(final: RequestOutput) -> dict[str, Any]:
+    return {
+        "input_tokens": final.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "output_tokens": final.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+async def complete(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools})
+    final: RequestOutput | None = None
+    async for out in outputs:
+        builder.push(parser.push(out.text))
+        final = out
+    builder.push(parser.finish())
+    assert final is not None and final.finished
+    return run.finish(builder, final)
+
+
+async def stream(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    frames: list[str] = []
+    seq = 0
+
+    def emit(kind: str, body: dict[str, Any]) -> None:
+        nonlocal seq
+        frames.append(sse_event(kind, {"type": kind, "sequence_number": seq, **body}))
+        seq += 1
+
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit)
+    emit("response.created", {"response": run.obj("in_progress", [])})
+    emit("response.in_progress", {"response": run.obj("in_progress", [])})
+    try:
+        async for out in outputs:
+            builder.push(parser.push(out.text))
+            if out.finished:
+                builder.push(parser.finish())
+                response = run.finish(builder, out)
+                emit(f"response.{response['status']}", {"response": response})
+            while frames:
+                yield frames.pop(0)
+    except APIError as exc:
+        builder.close("incomplete")
+        error = {"code": exc.code or "server_error", "message": exc.message}
+        emit("response.failed", {"response": run.obj("failed", builder.items, error=error)})
+    while frames:
+        yield frames.pop(0)
+
+
+# ---------------------------------------------------------------------------- stored objects
+def stored(state: ServerState, response_id: str) -> StoredResponse:
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise APIError(404, f"no stored response '{response_id}'", "response_id", "response_not_found")
+    return entry
+
+
+def input_items_page(entry: StoredResponse, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    items = list(entry.input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise invalid("after", f"no input Item '{after}' in this response")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
