@@ -29,6 +29,9 @@ class AsyncEngine:
         self.config = config
         self.eos_ids = eos_ids
         self.outstanding = 0  # submitted and not yet finished; touched only on the event loop
+        # sees each request's lifecycle on the event loop: begin(request) -> watch; watch.output(out)
+        # for every output; watch.close() when the caller leaves (server/observability/monitor.py)
+        self.observer = None
 
     @property
     def healthy(self) -> bool:
@@ -67,10 +70,13 @@ class AsyncEngine:
         except EngineFailedError as exc:
             raise EngineError(str(exc), "engine_failed") from exc
         self.outstanding += 1
+        watch = self.observer.begin(request) if self.observer is not None else None
         finished = False
         try:
             while True:
                 out = await outputs.get()
+                if watch is not None:
+                    watch.output(out)
                 if out.finished and out.finish_reason == "error":
                     finished = True
                     code = out.error_code or ("engine_failed" if not self.healthy else "invalid_request")
@@ -81,5 +87,7 @@ class AsyncEngine:
                     return
         finally:
             self.outstanding -= 1
+            if watch is not None:
+                watch.close()
             if not finished:
                 self.loop.abort(request_id)

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from . import thinking
 from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
@@ -21,6 +22,7 @@ from .request import FinishReason, Request, Status
 from .runner import ModelRunner
 from .sampler import make_generator
 from .scheduler import Scheduler
+from .stats import EngineCounters
 
 
 class LLMEngine:
@@ -30,13 +32,17 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         num_pages = plan_kv_pages(model.config, config)
-        self.caches = CacheManager(model.config, num_pages, config.page_size, config.max_concurrency,
-                                   config.dtype, self.device, config.host_cache_mib << 20)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        # captured decode graphs keep one page and one slot for their padding rows
+        self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
+                                   config.max_concurrency + graphs, config.dtype, self.device,
+                                   config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
         self.runner = ModelRunner(model, self.device, self.caches)
-        if config.cuda_graphs and self.device.type == "cuda":
+        if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
+        self.counters = EngineCounters()  # read lock-free by /metrics and /stats
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -76,6 +82,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._expire(r) for r in self.scheduler.expired()]
         plan = self.scheduler.schedule()
+        self.counters.scheduled(self.scheduler.admitted, plan)
+        for r in self.scheduler.admitted:
+            r.admitted_time = time.monotonic()
         outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids))
                     for r in self.scheduler.admitted]
         if not plan:
@@ -101,18 +110,30 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         params = req.params
-        req.output_ids.append(token)
         processor = self._processors[req.request_id]
-        if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return self._finish(req, FinishReason.STOP, token, processor.flush())
-        text, matched = processor.push(token)
-        if matched is not None:
-            return self._finish(req, FinishReason.STOP, matched, text)
-        hit_max = params.max_tokens is not None and len(req.output_ids) >= params.max_tokens
-        if hit_max or req.num_tokens >= req.max_total_tokens:
-            return self._finish(req, FinishReason.LENGTH, None, text + processor.flush())
-        return RequestOutput(req.request_id, text=text, token_ids=[token], prompt_tokens=len(req.prompt_ids),
-                             completion_tokens=len(req.output_ids))
+        first, text, pending = len(req.output_ids), "", [token]
+        while pending:  # the sampled token, then any that the thinking budget forces after it
+            token = pending.pop(0)
+            req.output_ids.append(token)
+            self.counters.committed(req)
+            pending += thinking.account(req, token)
+            out = None
+            if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                out = self._finish(req, FinishReason.STOP, token, text + processor.flush())
+            else:
+                piece, matched = processor.push(token)
+                text += piece
+                hit_max = params.max_tokens is not None and len(req.output_ids) >= params.max_tokens
+                if matched is not None:
+                    out = self._finish(req, FinishReason.STOP, matched, text)
+                elif hit_max or req.num_tokens >= req.max_total_tokens:
+                    out = self._finish(req, FinishReason.LENGTH, None, text + processor.flush())
+            if out is not None:
+                out.token_ids = req.output_ids[first:]
+                return out
+        return RequestOutput(req.request_id, text=text, token_ids=req.output_ids[first:],
+                             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                             reasoning_tokens=thinking.reasoning_tokens(req))
 
     def _expire(self, req: Request) -> RequestOutput:
         req.error_code = "request_queue_timeout"
@@ -124,6 +145,7 @@ class LLMEngine:
         self.scheduler.remove(req)
         req.finish(reason, stop_reason)
         self._processors.pop(req.request_id, None)
+        self.counters.finished(req)
         prefill_end = req.prefill_done_time
         token_ids = [req.output_ids[-1]] if req.output_ids and reason is not FinishReason.ABORT else []
         return RequestOutput(
@@ -135,8 +157,9 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
+            reasoning_tokens=thinking.reasoning_tokens(req),
             error=error,
             error_code=req.error_code,
-            prefill_time=None if prefill_end is None else prefill_end - req.arrival,
+            prefill_time=None if prefill_end is None else prefill_end - (req.admitted_time or req.arrival),
             decode_time=None if prefill_end is None else (req.finish_time or prefill_end) - prefill_end,
         )

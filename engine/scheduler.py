@@ -20,6 +20,7 @@ class SchedulerStats:
     preempted_snapshot: int = 0  # paused with their state copied to host memory
     preempted_replay: int = 0  # paused with their state dropped, rebuilt by replay
     restored: int = 0  # resumed from a host snapshot
+    replay_restored: int = 0  # re-admitted after a pause that dropped their state
     replayed_tokens: int = 0  # tokens recomputed for dropped requests
 
 
@@ -93,6 +94,8 @@ class Scheduler:
                 if self.caches.free_slots < 1 or (self.running and need > self.caches.free_pages):
                     return
                 req.cache = self.caches.open()
+                if req.status is Status.PAUSED:
+                    self.stats.replay_restored += 1
             self.waiting.pop(0)
             if req.status is Status.WAITING:
                 self.admitted.append(req)

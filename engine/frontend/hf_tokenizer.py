@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import tokenizers
+from tokenizers import decoders
 
 from .tokenizer import Tokenizer
 
@@ -43,6 +44,36 @@ class HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise KeyError(f"no token with id {token_id}")
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id]).encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: bytes that are printable
+    Latin-1 stand for themselves, the others for code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 
 def chat_template_from_dir(path: str | Path) -> str | None:

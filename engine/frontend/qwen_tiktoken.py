@@ -33,6 +33,10 @@ class QwenTiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._qwen.decode(list(ids), errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        token = self._qwen.decoder[token_id]
+        return token if isinstance(token, bytes) else token.encode("utf-8")
+
     def token_to_id(self, token: str) -> int | None:
         """Special tokens by their name; ordinary tokens by their text (its UTF-8 bytes)."""
         found = self._ids.get(token)

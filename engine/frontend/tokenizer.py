@@ -31,6 +31,10 @@ class Tokenizer(ABC):
     def token_to_id(self, token: str) -> int | None:
         """Id of a token given by its surface form (e.g. ``<|im_end|>``), or None."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a multi-byte character is not valid UTF-8)."""
+        return self.decode([token_id]).encode("utf-8")
+
     @property
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.token_to_id(self.bos_token)

@@ -1,0 +1,36 @@
+"""Routes of the Anthropic Messages API, and ``install`` (routes + error envelope)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..cancellation import cancel_on_disconnect
+from ..generation import start
+from ..state import ServerState
+from ..streaming import sse_response
+from . import serving
+from .errors import AnthropicEnvelope
+from .protocol import MessagesRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    state: ServerState = request.app.state.ninfer
+    prep = serving.PreparedMessages(body, state)
+    admitted, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
+    if body.stream:
+        return sse_response(serving.stream(prep, admitted, outputs), state.keepalive_s)
+    return JSONResponse(await cancel_on_disconnect(request, serving.complete(prep, outputs)))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: MessagesRequest, request: Request) -> JSONResponse:
+    return JSONResponse(serving.count_tokens(body, request.app.state.ninfer))
+
+
+def install(app: FastAPI) -> None:
+    """The routes, and the envelope middleware (call after the auth middleware is added)."""
+    app.include_router(router)
+    app.add_middleware(AnthropicEnvelope)

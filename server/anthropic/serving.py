@@ -1,0 +1,198 @@
+"""Messages: preparation, and the engine's output as Anthropic content blocks, whole or streamed.
+
+The model's text goes through the shared ``AssistantOutputParser`` (reasoning, answer text, Qwen
+tool calls); ``BlockBuilder`` turns its events into the block lifecycle: a ``thinking`` block
+(closed with an opaque signature), ``text`` blocks and ``tool_use`` blocks, in output order.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Any, AsyncIterator
+
+from ...engine.frontend.assistant_output import AssistantOutputParser, ContentText, ReasoningText
+from ...engine.frontend.tool_parser import ToolCall
+from ...engine.outputs import RequestOutput
+from ..errors import APIError
+from ..generation import Sampling, check_context, render_prompt, sampling_params, thinking_control
+from ..openai_common import new_id
+from ..state import ServerState
+from ..streaming import sse_event
+from .convert import Lowered, lower
+from .errors import error_body
+from .protocol import MessagesRequest
+
+SIGNATURE_PREFIX = b"ninfer-thinking-v1:"
+
+
+def signature(thinking: str) -> str:
+    """An opaque stand-in for Anthropic's signature: lowering ignores it (thinking is restored from
+    its visible text), so any value a client sends back is accepted."""
+    return base64.b64encode(SIGNATURE_PREFIX + hashlib.sha256(thinking.encode()).digest()).decode()
+
+
+def build_prompt(state: ServerState, low: Lowered) -> tuple[str, list[int]]:
+    tools = [t.template for t in low.tools]
+    text, ids = render_prompt(state, low.messages, tools, low.options)
+    if low.prefill is not None:
+        text += low.prefill
+        ids = state.tokenizer.encode(text)
+    return text, ids
+
+
+def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, int]:
+    _, ids = build_prompt(state, lower(req, state))
+    return {"input_tokens": len(ids)}
+
+
+class PreparedMessages:
+    def __init__(self, req: MessagesRequest, state: ServerState) -> None:
+        low = lower(req, state)
+        text, ids = build_prompt(state, low)
+        check_context(state, len(ids))
+        max_tokens = req.max_tokens if req.max_tokens is not None else state.default_max_tokens
+        if low.thinking.budget is not None and max_tokens is not None and low.thinking.budget >= max_tokens:
+            raise APIError(400, f"thinking.budget_tokens ({low.thinking.budget}) must be less than the output "
+                           f"limit ({max_tokens})", "thinking.budget_tokens", "invalid_value")
+        self.starts_in_reasoning, control = thinking_control(state, text, len(ids), max_tokens, low.thinking.budget,
+                                                             "thinking.budget_tokens")
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            max_tokens=req.max_tokens, stop=list(req.stop_sequences or []))
+        self.params = sampling_params(state, sampling, control)
+        self.prompt_ids = ids
+        self.tools = [t.spec for t in low.tools]
+        self.stop_sequences = set(req.stop_sequences or [])
+        self.max_context = state.max_context
+        self.id = new_id("msg_")
+        self.model = req.model  # echoed: the label does not select the model
+
+    def parser(self) -> AssistantOutputParser:
+        return AssistantOutputParser(self.starts_in_reasoning, self.tools)
+
+    def stop(self, final: RequestOutput, calls: bool) -> tuple[str, str | None]:
+        """``stop_reason`` and ``stop_sequence``."""
+        if final.finish_reason == "length":
+            at_limit = final.prompt_tokens + final.completion_tokens >= self.max_context
+            return ("model_context_window_exceeded" if at_limit else "max_tokens"), None
+        if isinstance(final.stop_reason, str) and final.stop_reason in self.stop_sequences:
+            return "stop_sequence", final.stop_reason
+        return ("tool_use" if calls else "end_turn"), None
+
+
+def usage(out: RequestOutput, output_tokens: int | None = None) -> dict[str, Any]:
+    return {
+        "input_tokens": out.prompt_tokens - out.cached_tokens,
+        "output_tokens": out.completion_tokens if output_tokens is None else output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": out.cached_tokens,
+    }
+
+
+class BlockBuilder:
+    """Assistant events -> content blocks. ``feed`` returns the SSE events they cause; ``blocks``
+    is the aggregate content so far."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.calls = 0
+        self._open: str | None = None  # type of the last block while it is open
+
+    def feed(self, event: ReasoningText | ContentText | ToolCall) -> list[tuple[str, dict[str, Any]]]:
+        if isinstance(event, ReasoningText):
+            return self._text("thinking", event.text)
+        if isinstance(event, ContentText):
+            return self._text("text", event.text)
+        return self._tool_use(event)
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._open is None:
+            return []
+        index, block = len(self.blocks) - 1, self.blocks[-1]
+        events = []
+        if self._open == "thinking":
+            block["signature"] = signature(block["thinking"])
+            events.append(_delta(index, {"type": "signature_delta", "signature": block["signature"]}))
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        self._open = None
+        return events
+
+    def _text(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+        if not text:
+            return []
+        events = []
+        if self._open != kind:
+            events += self.close()
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            self.blocks.append(empty)
+            self._open = kind
+            events.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
+                                                   "content_block": dict(empty)}))
+        self.blocks[-1][kind] += text
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                         "text": text}
+        events.append(_delta(len(self.blocks) - 1, delta))
+        return events
+
+    def _tool_use(self, call: ToolCall) -> list[tuple[str, dict[str, Any]]]:
+        events = self.close()
+        block = {"type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": call.arguments_dict}
+        self.blocks.append(block)
+        self.calls += 1
+        index = len(self.blocks) - 1
+        events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": {**block, "input": {}}}))
+        for piece in call.argument_pieces or (call.arguments,):
+            events.append(_delta(index, {"type": "input_json_delta", "partial_json": piece}))
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return events
+
+
+def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+async def complete(prep: PreparedMessages, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+    parser, builder = prep.parser(), BlockBuilder()
+    final: RequestOutput | None = None
+    async for out in outputs:
+        for event in parser.push(out.text):
+            builder.feed(event)
+        final = out
+    for event in parser.finish():
+        builder.feed(event)
+    builder.close()
+    assert final is not None and final.finished
+    reason, sequence = prep.stop(final, builder.calls > 0)
+    return {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": builder.blocks,
+            "stop_reason": reason, "stop_sequence": sequence, "usage": usage(final)}
+
+
+async def stream(prep: PreparedMessages, admitted: RequestOutput, outputs: AsyncIterator[RequestOutput]
+                 ) -> AsyncIterator[str]:
+    """message_start (usage as admitted), ping, the blocks' start / delta / stop events,
+    message_delta (stop reason, cumulative usage), message_stop; an ``error`` event on failure."""
+    parser, builder = prep.parser(), BlockBuilder()
+    start = {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": usage(admitted, 0)}
+    yield sse_event("message_start", {"type": "message_start", "message": start})
+    yield sse_event("ping", {"type": "ping"})
+    try:
+        async for out in outputs:
+            for event in parser.push(out.text):
+                for name, body in builder.feed(event):
+                    yield sse_event(name, body)
+            if out.finished:
+                for event in parser.finish():
+                    for name, body in builder.feed(event):
+                        yield sse_event(name, body)
+                for name, body in builder.close():
+                    yield sse_event(name, body)
+                reason, sequence = prep.stop(out, builder.calls > 0)
+                yield sse_event("message_delta", {"type": "message_delta",
+                                                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                  "usage": usage(out)})
+                yield sse_event("message_stop", {"type": "message_stop"})
+    except APIError as exc:
+        _, body = error_body(exc.status, exc.body(), None)
+        yield sse_event("error", body)

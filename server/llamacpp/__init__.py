@@ -1,0 +1,2 @@
+"""llama.cpp-compatible endpoints: ``/completion``, ``/tokenize``, ``/detokenize``,
+``/apply-template``, ``/props`` and ``/slots``."""

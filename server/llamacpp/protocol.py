@@ -1,0 +1,110 @@
+"""Pydantic models of the llama.cpp server endpoints we implement, and their engine translation.
+
+Fields follow llama.cpp's names (``n_predict``, ``repeat_penalty``, ``seed: -1`` for random).
+Unknown fields are refused by name, as on the OpenAI surface; a few llama.cpp options that only
+tune its own cache or slot choice (``cache_prompt``, ``id_slot``) are accepted and have no effect
+on the output.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...engine.sampling_params import SamplingParams
+from ..errors import unsupported
+from ..state import SamplingDefaults
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Union[str, list[Union[int, str]]]
+    n_predict: int | None = Field(default=None, ge=-1)  # -1: until eos or the context limit
+    max_tokens: int | None = Field(default=None, ge=-1)  # alias of n_predict, as llama.cpp accepts
+    stream: bool = False
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None  # -1 or absent: a fresh random seed
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    return_tokens: bool = False  # the ids are always returned; kept for llama.cpp clients
+    cache_prompt: bool = True  # prompt reuse is the engine's business
+    id_slot: int = -1  # lanes are assigned by the scheduler
+    n_probs: int = Field(default=0, ge=0)
+    model: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+        if not v:
+            raise ValueError("the prompt must not be empty")
+        return v
+
+    def reject_unsupported(self) -> None:
+        if self.n_probs:
+            raise unsupported("n_probs")
+
+    def budget(self, default: int | None) -> int | None:
+        """Output tokens: ``n_predict`` (or ``max_tokens``); -1 runs to eos or the context limit;
+        absent takes the server's ``--default-max-tokens``."""
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        if n is None:
+            return default
+        return None if n < 0 else n
+
+    def sampling_params(self, defaults: SamplingDefaults, default_max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=defaults.repetition_penalty if self.repeat_penalty is None else self.repeat_penalty,
+            seed=None if self.seed is None or self.seed < 0 else self.seed & ((1 << 64) - 1),
+            max_tokens=self.budget(default_max_tokens),
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    content: str
+    add_special: bool = False  # prepend the tokenizer's BOS token, if it has one
+    parse_special: bool = True  # special tokens written in the text are recognised
+    with_pieces: bool = False
+
+    def reject_unsupported(self) -> None:
+        if not self.parse_special:
+            raise unsupported("parse_special", "special tokens in the text are always recognised")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(BaseModel):
+    """A Chat Completions body (``model`` optional): other fields are validated by the chat
+    request model itself, so the prompt is rendered exactly as ``/v1/chat/completions`` would."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[Any] = Field(min_length=1)
+    model: str | None = None

@@ -1,0 +1,58 @@
+"""Routes of the llama.cpp-compatible endpoints (errors in the shared OpenAI-style envelope)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ..cancellation import cancel_on_disconnect
+from ..errors import APIError
+from ..generation import start
+from ..state import ServerState
+from ..streaming import sse_response
+from . import serving
+from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ninfer
+
+
+@router.post("/completion")
+async def completion(body: CompletionRequest, request: Request):
+    state = _state(request)
+    prep = serving.PreparedCompletion(body, state)
+    _, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
+    if body.stream:
+        return sse_response(serving.stream(prep, outputs), state.keepalive_s)
+    return JSONResponse(await cancel_on_disconnect(request, serving.complete(prep, outputs)))
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(serving.tokenize(_state(request), body))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(serving.detokenize(_state(request), body.tokens))
+
+
+@router.post("/apply-template")
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> JSONResponse:
+    state = _state(request)
+    if body.model is not None and body.model != state.model_id:
+        raise APIError(400, f"model '{body.model}' does not exist; this server serves '{state.model_id}'",
+                       "model", "model_not_found")
+    return JSONResponse({"prompt": serving.chat_prompt(state, body)})
+
+
+@router.get("/props")
+async def props(request: Request) -> JSONResponse:
+    return JSONResponse(serving.props(_state(request)))
+
+
+@router.get("/slots")
+async def slots(request: Request) -> JSONResponse:
+    return JSONResponse(serving.slots(_state(request)))

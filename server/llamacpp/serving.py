@@ -1,0 +1,229 @@
+"""llama.cpp-compatible endpoints: raw completion, tokenizer access, template, props and slots."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from ...engine.outputs import RequestOutput
+from ...engine.request import Status
+from ...engine.sampling_params import SamplingParamError
+from ..errors import APIError
+from ..generation import check_context
+from ..openai_common import timings
+from ..state import ServerState
+from ..streaming import sse_data
+from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
+
+REPLACEMENT = "\ufffd"
+
+
+def valid_token_limit(state: ServerState) -> int:
+    """Ids below this are known to both the tokenizer and the model."""
+    return min(state.tokenizer.vocab_size, state.engine.loop.engine.model.config.vocab_size)
+
+
+def check_token_ids(state: ServerState, ids: list[int], param: str, offset: int = 0) -> None:
+    """Every id is one the tokenizer and the model know (``param[i]`` names the first that is not)."""
+    limit = valid_token_limit(state)
+    for i, t in enumerate(ids):
+        if not 0 <= t < limit:
+            raise APIError(400, f"token id {t} is out of range [0, {limit})", f"{param}[{offset + i}]",
+                           "invalid_value")
+
+
+class PreparedCompletion:
+    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
+        if req.model is not None and req.model != state.model_id:
+            raise APIError(400, f"model '{req.model}' does not exist; this server serves '{state.model_id}'",
+                           "model", "model_not_found")
+        req.reject_unsupported()
+        if isinstance(req.prompt, str):
+            self.prompt_ids = state.tokenizer.encode(req.prompt)
+        else:
+            ids: list[int] = []
+            for i, part in enumerate(req.prompt):
+                if isinstance(part, str):
+                    ids += state.tokenizer.encode(part)
+                else:
+                    check_token_ids(state, [part], "prompt", offset=i)
+                    ids.append(part)
+            self.prompt_ids = ids
+        if not self.prompt_ids:
+            raise APIError(400, "the prompt has no tokens", "prompt", "invalid_value")
+        check_context(state, len(self.prompt_ids), "prompt")
+        try:
+            self.params = req.sampling_params(state.sampling, state.default_max_tokens)
+        except SamplingParamError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.model = state.model_id
+        self.req = req
+        self.prompt_text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(self.prompt_ids)
+
+
+def stop_type(final: RequestOutput) -> tuple[str, str]:
+    """llama.cpp's ``stop_type`` (eos | word | limit | none) and ``stopping_word``."""
+    if final.finish_reason == "stop":
+        if isinstance(final.stop_reason, str):
+            return "word", final.stop_reason
+        return "eos", ""
+    if final.finish_reason == "length":
+        return "limit", ""
+    return "none", ""
+
+
+def _settings(prep: PreparedCompletion) -> dict[str, Any]:
+    p = prep.params
+    return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "temperature": p.temperature,
+            "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repetition_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "seed": -1 if p.seed is None else p.seed, "ignore_eos": p.ignore_eos, "stop": list(p.stop)}
+
+
+def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int]) -> dict[str, Any]:
+    kind, word = stop_type(final)
+    return {
+        "index": 0,
+        "content": content,
+        "tokens": tokens,
+        "id_slot": -1,
+        "stop": True,
+        "model": prep.model,
+        "tokens_predicted": final.completion_tokens,
+        "tokens_evaluated": final.prompt_tokens,
+        "tokens_cached": final.cached_tokens,
+        "generation_settings": _settings(prep),
+        "prompt": prep.prompt_text,
+        "has_new_line": "\n" in content,
+        "truncated": False,
+        "stop_type": kind,
+        "stopping_word": word,
+        "timings": timings(final),
+    }
+
+
+async def complete(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+    text: list[str] = []
+    tokens: list[int] = []
+    final: RequestOutput | None = None
+    async for out in outputs:
+        text.append(out.text)
+        tokens += out.token_ids
+        final = out
+    assert final is not None and final.finished
+    return final_body(prep, final, "".join(text), tokens)
+
+
+async def stream(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """llama.cpp's SSE: ``data:`` chunks with ``stop: false``, then one with ``stop: true`` and the
+    totals (its ``content`` is empty: all text came in the chunks before). No ``[DONE]``."""
+    try:
+        async for out in outputs:
+            if out.text or out.token_ids:
+                yield sse_data({"index": 0, "content": out.text, "tokens": list(out.token_ids), "stop": False,
+                             "id_slot": -1, "tokens_predicted": out.completion_tokens,
+                             "tokens_evaluated": out.prompt_tokens})
+            if out.finished:
+                yield sse_data(final_body(prep, out, "", []))
+    except APIError as exc:
+        yield sse_data(exc.body())
+
+
+# ---------------------------------------------------------------------------- tokenizer access
+def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
+    req.reject_unsupported()
+    tok = state.tokenizer
+    ids = tok.encode(req.content)
+    if req.add_special and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+        ids = [tok.bos_token_id, *ids]
+    if not req.with_pieces:
+        return {"tokens": ids}
+    return {"tokens": [{"id": i, "piece": piece(state, i)} for i in ids]}
+
+
+def piece(state: ServerState, token_id: int) -> str | list[int]:
+    """A token's text, or its bytes as a list of ints when they are not valid UTF-8 on their own."""
+    raw = state.tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def detokenize(state: ServerState, ids: list[int]) -> dict[str, Any]:
+    check_token_ids(state, ids, "tokens")
+    return {"content": state.tokenizer.decode(ids)}
+
+
+# ---------------------------------------------------------------------------- server views
+def props(state: ServerState) -> dict[str, Any]:
+    s = state.sampling
+    config = state.engine.config
+    return {
+        "model_alias": state.model_id,
+        "model_path": state.model_id,
+        "n_ctx": state.max_context,
+        "total_slots": config.max_concurrency,
+        "chat_template": state.template.source,
+        "bos_token": state.tokenizer.bos_token,
+        "eos_token": state.tokenizer.eos_token,
+        "default_generation_settings": {
+            "n_ctx": state.max_context,
+            "params": {"n_predict": -1, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                       "min_p": s.min_p, "repeat_penalty": s.repetition_penalty},
+        },
+        "modalities": {"vision": False, "audio": False},
+        "build_info": "ninfer",
+    }
+
+
+def slots(state: ServerState) -> list[dict[str, Any]]:
+    """One entry per execution lane: the resident requests in admission order, then idle lanes.
+
+    Read without locks from the engine's running list (copied in one step); prompts and outputs
+    are not shown, only counts."""
+    engine = state.engine.loop.engine
+    running = list(engine.scheduler.running)
+    lanes = []
+    for i in range(state.engine.config.max_concurrency):
+        req = running[i] if i < len(running) else None
+        lane: dict[str, Any] = {"id": i, "n_ctx": state.max_context, "is_processing": req is not None}
+        if req is None:
+            lane.update(state="idle", id_task=None)
+        else:
+            p = req.params
+            decoded = len(req.output_ids)
+            lane.update(
+                state="prefill" if req.status is Status.PREFILL else "decode",
+                id_task=req.request_id,
+                n_prompt_tokens=len(req.prompt_ids),
+                n_prompt_tokens_processed=min(req.num_computed, len(req.prompt_ids)),
+                n_decoded=decoded,
+                n_remain=-1 if p.max_tokens is None else max(p.max_tokens - decoded, 0),
+                params={"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+                        "n_predict": -1 if p.max_tokens is None else p.max_tokens,
+                        "seed": -1 if p.seed is None else p.seed},
+                running_s=time.monotonic() - req.arrival,
+            )
+        lanes.append(lane)
+    return lanes
+
+
+# ---------------------------------------------------------------------------- chat template
+def chat_prompt(state: ServerState, body: ApplyTemplateRequest) -> str:
+    """The prompt ``/v1/chat/completions`` renders for the same body: the same request model and
+    the same preparation, stopped before the engine."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from ..errors import validation_error
+    from ..openai_chat.protocol import ChatCompletionRequest
+    from ..openai_chat.serving import PreparedChat
+
+    fields = body.model_dump(exclude={"model"})
+    try:
+        req = ChatCompletionRequest.model_validate({**fields, "model": state.model_id})
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from exc
+    return PreparedChat(req, state).prepared.prompt_text
