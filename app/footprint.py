@@ -1,0 +1,104 @@
+"""Bytes a running server takes for one model and one choice of settings.
+
+Every term is computed from the model's shapes; the engine's own formulas (``engine/memory.py``,
+``kv_bytes_per_token`` and ``StateSlotPool.bytes_per_slot``) are mirrored here without importing
+torch, and tests check that the two agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_info import ModelShape, ParamCounts
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# bits per quantised matrix weight, scales included (group 128 with a 16-bit scale and zero point
+# for 4-bit; a 16-bit scale per 128-block for 8-bit)
+WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.125, "int8": 8.125, "4bit": 4.25}
+CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
+GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
+GRAPH_PER_LANE = 4 * MiB
+SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per query chunk
+# The pure-torch attention (the CPU path and, until a paged GPU kernel lands beside it, the GPU
+# path too) gathers one sequence's K/V and expands it to fp32 per query head. A paged kernel reads
+# the pages in place: set this to False then.
+REFERENCE_ATTENTION = True
+
+
+def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
+    """Matrices in ``fmt``; embeddings, norms and the like in the compute dtype (never below 16-bit)."""
+    bits = WEIGHT_BITS[fmt]
+    rest = (params.embeddings + params.other) * max(compute_bytes, 2 if bits < 16 else compute_bytes)
+    return int(params.matrices * bits / 8) + rest
+
+
+def kv_bytes_per_token(shape: ModelShape, elt: int, attention_layers: int | None = None) -> int:
+    layers = shape.n_attention if attention_layers is None else attention_layers
+    return 2 * layers * shape.config.num_key_value_heads * shape.config.head_dim * elt
+
+
+def state_bytes_per_lane(shape: ModelShape, elt: int) -> int:
+    """Conv state (compute dtype) + recurrent state (fp32) of every GDN layer for one sequence."""
+    c = shape.config
+    if not shape.n_gdn:
+        return 0
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    conv = (c.linear_conv_kernel_dim - 1) * (2 * key_dim + c.linear_num_value_heads * c.linear_value_head_dim)
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    return shape.n_gdn * (conv * elt + recurrent * 4)
+
+
+@dataclass(frozen=True)
+class Settings:
+    lanes: int
+    context: int
+    prefill_chunk: int
+    drafts: int
+    weights: str  # a WEIGHT_BITS key
+    elt: int  # bytes of the compute / KV dtype
+    cuda: bool
+    page_size: int = 16
+
+    @property
+    def kv_tokens(self) -> int:
+        """The shared KV pool: every lane can hold a whole context at once."""
+        tokens = self.lanes * self.context
+        return -(-tokens // self.page_size) * self.page_size
+
+
+def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
+    """Bytes by part; their sum is what the server takes on the device."""
+    c = shape.config
+    mtp = s.drafts > 0 and shape.mtp_layers > 0
+    inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
+    workspace = s.prefill_chunk * (8 * c.hidden_size + 3 * inter) * s.elt  # engine/memory.py
+    workspace += s.lanes * (s.drafts + 1) * c.vocab_size * 4  # fp32 logits of every decode row
+    if REFERENCE_ATTENTION and shape.n_attention:
+        gathered = 2 * c.num_key_value_heads * c.head_dim * s.elt
+        expanded = 2 * c.num_attention_heads * c.head_dim * 4
+        workspace += s.context * (gathered + expanded) + SCORE_BLOCK
+    parts = {
+        "weights": weight_bytes(shape.params, s.weights, s.elt),
+        "mtp_weights": weight_bytes(shape.mtp_params, s.weights, s.elt) if mtp else 0,
+        "kv_pool": s.kv_tokens * kv_bytes_per_token(shape, s.elt),
+        "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.elt, shape.mtp_layers) if mtp else 0,
+        # one state per lane, plus one per draft position so that a rejected draft needs no replay
+        "states": s.lanes * (1 + s.drafts) * state_bytes_per_lane(shape, s.elt),
+        "workspace": workspace,
+        "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE if s.cuda else 0,
+        "cuda_context": CUDA_CONTEXT if s.cuda else 0,
+    }
+    return parts
+
+
+def margin_bytes(total: int, cuda: bool) -> int:
+    """Left free for the desktop and other programs (under WSL the driver pages GPU memory to system
+    RAM when it runs short, which slows every kernel: better to leave some)."""
+    if cuda:
+        return max(512 * MiB, int(total * 0.03))
+    return max(1 * GiB, int(total * 0.10))
+
+
+def human(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"

@@ -1,0 +1,225 @@
+"""From a model, a device's free memory and what the user asked for, the settings that fit.
+
+``make_plan`` picks lanes (concurrent requests), context per request, the KV pool, the prefill
+chunk and the speculative draft count. A measured preset row wins when it fits the free memory
+now; otherwise the plan computes the largest context on a ladder of round sizes. A model that cannot
+fit raises ``DoesNotFit`` whose message says what would fit instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .footprint import GiB, MiB, Settings, footprint, human, margin_bytes, weight_bytes
+from .model_info import ModelShape
+
+CONTEXT_LADDER = (262144, 196608, 131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096)
+MIN_CONTEXT = 4096
+AUTO_LANES = (8, 4, 2, 1)
+AUTO_LANES_CONTEXT = 32768  # auto lanes: the most lanes that still give each request this much
+PREFILL_LADDER = (4096, 2048, 1024, 512)
+CPU_LANES, CPU_CONTEXT, CPU_PREFILL = 4, 8192, 512
+
+
+class DoesNotFit(ValueError):
+    """The model (or the asked settings) cannot fit; the message says what would."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "NVIDIA GeForce RTX 4090" or "CPU"
+    total: int  # bytes
+    free: int  # bytes free before the server starts
+    index: int | None = None  # CUDA index; None for the CPU
+
+    @property
+    def cuda(self) -> bool:
+        return self.index is not None
+
+    @property
+    def flag(self) -> str:
+        return f"cuda:{self.index}" if self.cuda else "cpu"
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the user picked; None means automatic."""
+
+    lanes: int | None = None
+    context: int | None = None
+    drafts: int | None = None
+    prefill_chunk: int | None = None
+    weights: str | None = None
+
+
+@dataclass
+class Plan:
+    model: str
+    device: Device
+    settings: Settings
+    parts: dict[str, int]
+    margin: int
+    source: str  # "plan" or the preset row's note
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def server_args(self) -> list[str]:
+        """ninfer-serve flags. Drafts are computed but not passed: the server has no speculative
+        decoding flag yet; pass ``--draft-tokens`` here once it does."""
+        s = self.settings
+        return ["--device", self.device.flag, "--max-context", str(s.context), "--max-concurrency", str(s.lanes),
+                "--prefill-chunk", str(s.prefill_chunk), "--kv-capacity", str(s.kv_tokens)]
+
+    def describe(self) -> str:
+        s = self.settings
+        lines = [f"{self.model} on {self.device.name} ({human(self.device.free)} free of {human(self.device.total)})",
+                 f"  {s.lanes} lane(s) x {s.context:,} tokens, KV pool {s.kv_tokens:,} tokens, "
+                 f"prefill chunk {s.prefill_chunk}, drafts {s.drafts}, weights {s.weights}  [{self.source}]"]
+        lines += [f"  {k:13s} {human(v)}" for k, v in self.parts.items() if v]
+        lines.append(f"  {'total':13s} {human(self.total)} + margin {human(self.margin)}")
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def default_weights(shape: ModelShape, device: Device) -> str:
+    if shape.quant_bits == 4 and not shape.gguf:
+        return "4bit"
+    if shape.quant_bits == 8 and not shape.gguf:
+        return "fp8"
+    return "bf16" if device.cuda else "fp32"  # GGUF weights are dequantised to the compute dtype
+
+
+def _fits(shape: ModelShape, device: Device, s: Settings) -> bool:
+    return sum(footprint(shape, s).values()) + margin_bytes(device.total, device.cuda) <= device.free
+
+
+def _best_context(shape: ModelShape, device: Device, s: Settings, cap: int) -> int | None:
+    rungs = sorted({r for r in CONTEXT_LADDER if r <= cap} | ({cap} if cap >= MIN_CONTEXT else set()), reverse=True)
+    for ctx in rungs:
+        if _fits(shape, device, replace(s, context=ctx)):
+            return ctx
+    return None
+
+
+def _auto_drafts(shape: ModelShape, device: Device, lanes: int) -> int:
+    if not device.cuda or shape.mtp_layers == 0:
+        return 0
+    return 4 if lanes == 1 else 3  # seed 003: 4 drafts at one request, 3 beside others
+
+
+def _auto_chunk(shape: ModelShape, device: Device, base: Settings) -> int:
+    """The largest chunk whose activations take at most 5% of what is left after the weights."""
+    room = device.free - margin_bytes(device.total, device.cuda) - footprint(shape, base)["weights"]
+    per_token = (8 * shape.config.hidden_size + 3 * max(shape.config.intermediate_size,
+                 shape.config.moe_intermediate_size * max(shape.config.num_experts_per_tok, 1))) * base.elt
+    for chunk in PREFILL_LADDER:
+        if chunk * per_token <= 0.05 * room:
+            return chunk
+    return PREFILL_LADDER[-1]
+
+
+def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: list | None = None) -> Plan:
+    weights = want.weights or default_weights(shape, device)
+    elt = 2 if device.cuda else 4
+    cap = min(shape.max_context, want.context or shape.max_context)
+    reasons: list[str] = []
+    if want.drafts and shape.mtp_layers == 0:
+        reasons.append("drafts off: the model has no MTP head")
+    base = Settings(lanes=want.lanes or 1, context=MIN_CONTEXT, prefill_chunk=want.prefill_chunk or 512,
+                    drafts=0, weights=weights, elt=elt, cuda=device.cuda)
+    if not device.cuda and want.lanes is None and want.context is None:
+        base = replace(base, lanes=CPU_LANES, prefill_chunk=want.prefill_chunk or CPU_PREFILL)
+        cap = min(cap, CPU_CONTEXT)
+    _check_weights(shape, device, base)
+
+    if presets:
+        from .presets import match
+
+        row = match(presets, shape, device, weights, want)
+        if row is not None:
+            s = replace(base, lanes=row.lanes, context=min(row.context, shape.max_context),
+                        prefill_chunk=row.prefill_chunk, drafts=row.drafts if shape.mtp_layers else 0)
+            if _fits(shape, device, s):
+                return _finish(shape, device, s, f"preset: {row.note}", reasons)
+            reasons.append(f"preset '{row.note}' does not fit the free memory now; computed instead")
+
+    chunk = want.prefill_chunk or (base.prefill_chunk if not device.cuda else _auto_chunk(shape, device, base))
+    lane_choices = (want.lanes,) if want.lanes else ((base.lanes,) if not device.cuda else AUTO_LANES)
+    for lanes in lane_choices:
+        drafts_wanted = want.drafts if want.drafts is not None else _auto_drafts(shape, device, lanes)
+        drafts_wanted = drafts_wanted if shape.mtp_layers else 0
+        best: tuple[int, int] | None = None  # (context, drafts): the most context, then the most drafts
+        for drafts in range(drafts_wanted, -1, -1):
+            s = replace(base, lanes=lanes, prefill_chunk=chunk, drafts=drafts)
+            ctx = _best_context(shape, device, s, cap)
+            if ctx is not None and (best is None or ctx > best[0]):
+                best = (ctx, drafts)
+            if ctx == cap or want.drafts is not None:
+                break
+        if best is None:
+            continue
+        ctx, drafts = best
+        if want.context and ctx < want.context:
+            continue
+        if want.lanes is None and device.cuda and lanes > 1 and ctx < min(cap, AUTO_LANES_CONTEXT):
+            continue
+        if drafts < drafts_wanted:
+            reasons.append(f"drafts lowered from {drafts_wanted} to {drafts} to keep the context")
+        return _finish(shape, device, replace(base, lanes=lanes, context=ctx, prefill_chunk=chunk, drafts=drafts),
+                       "plan", reasons)
+    raise DoesNotFit(_what_fits(shape, device, want, weights, chunk))
+
+
+def _finish(shape: ModelShape, device: Device, s: Settings, source: str, reasons: list[str]) -> Plan:
+    return Plan(shape.name, device, s, footprint(shape, s), margin_bytes(device.total, device.cuda), source, reasons)
+
+
+def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
+    minimal = replace(base, lanes=1, context=MIN_CONTEXT, prefill_chunk=PREFILL_LADDER[-1], drafts=0)
+    if _fits(shape, device, minimal):
+        return
+    w = weight_bytes(shape.params, base.weights, base.elt)
+    msg = (f"{shape.name} ({shape.params.total / 1e9:.1f} B parameters) needs {human(w)} for its weights at "
+           f"{base.weights}, and {device.name} has {human(device.free)} free "
+           f"({human(margin_bytes(device.total, device.cuda))} kept back).")
+    options = []
+    for fmt in ("fp8", "4bit"):
+        if fmt == base.weights or weight_bytes(shape.params, fmt, base.elt) >= w or shape.gguf:
+            continue
+        try:
+            p = make_plan(shape, device, Want(lanes=1, weights=fmt))
+            options.append(f"{shape.name} with {fmt} weights: 1 request of up to {p.settings.context:,} tokens")
+        except DoesNotFit:
+            pass
+    per_param = weight_bytes(shape.params, base.weights, base.elt) / shape.params.total
+    other = sum(footprint(shape, minimal).values()) - w
+    room = device.free - margin_bytes(device.total, device.cuda) - other
+    if room > 0:
+        options.append(f"a model of up to about {room / per_param / 1e9:.1f} B parameters at {base.weights}")
+    raise DoesNotFit(msg + (" What would fit: " + "; or ".join(options) + "." if options else
+                            " Nothing fits: use the CPU (--device cpu) or a machine with more memory."))
+
+
+def _what_fits(shape: ModelShape, device: Device, want: Want, weights: str, chunk: int) -> str:
+    lanes = want.lanes or 1
+    asked = f"{lanes} request(s)" + (f" of {want.context:,} tokens" if want.context else "")
+    options = []
+    for fewer in range(lanes, 0, -1):
+        s = Settings(fewer, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda)
+        ctx = _best_context(shape, device, s, min(shape.max_context, want.context or shape.max_context))
+        if ctx is not None:
+            options.append(f"{fewer} request(s) of up to {ctx:,} tokens")
+            break
+    if want.context:
+        s = Settings(lanes, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda)
+        ctx = _best_context(shape, device, s, shape.max_context)
+        if ctx is not None and ctx < want.context:
+            options.append(f"{lanes} request(s) of up to {ctx:,} tokens")
+    return (f"{shape.name} at {weights} does not fit {asked} in the {human(device.free)} free on {device.name}. "
+            + ("What would fit: " + "; or ".join(dict.fromkeys(options)) + "." if options
+               else f"Not even 1 request of {MIN_CONTEXT:,} tokens fits."))
+
+
+__all__ = ["Device", "Want", "Plan", "DoesNotFit", "make_plan", "GiB", "MiB"]

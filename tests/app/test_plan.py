@@ -1,0 +1,145 @@
+"""Memory plan on the real Qwen3.5 shapes (reference/qwen3_5.md) and five GPU sizes."""
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from ninfer.app.footprint import MiB, kv_bytes_per_token, state_bytes_per_lane, weight_bytes
+from ninfer.app.model_info import shape_from_dict
+from ninfer.app.plan import MIN_CONTEXT, Device, DoesNotFit, Want, make_plan
+from ninfer.app.presets import Preset, load_presets
+
+KNOWN = {k: v for k, v in json.loads(resources.files("ninfer.app").joinpath("known_models.json").read_text()).items()
+         if not k.startswith("_")}
+SHAPES = {name: shape_from_dict(cfg, name) for name, cfg in KNOWN.items()}
+# total memory as NVML reports it for a 16 GB (RTX 5060 Ti), 24 GB (RTX 4090), 32 GB (RTX 5090),
+# 80 GB (H100) and 141 GB (H200) card; 400 MiB already taken by a desktop
+GPUS = {16: 16311, 24: 24564, 32: 32607, 80: 81559, 141: 143771}
+DESKTOP_MIB = 400
+
+
+def gpu(gb: int) -> Device:
+    return Device(f"{gb} GB GPU", GPUS[gb] * MiB, (GPUS[gb] - DESKTOP_MIB) * MiB, 0)
+
+
+def test_parameter_counts_match_the_model_names():
+    billions = {name: s.params.total / 1e9 for name, s in SHAPES.items()}
+    assert billions["Qwen3.5-0.8B"] == pytest.approx(0.75, abs=0.05)  # + a 0.1 B vision tower, not loaded
+    assert billions["Qwen3.5-9B"] == pytest.approx(9.0, abs=0.3)
+    assert billions["Qwen3.5-27B"] == pytest.approx(27.0, abs=0.5)
+    assert billions["Qwen3.5-35B-A3B"] == pytest.approx(35.0, abs=1.0)
+    assert SHAPES["Qwen3.5-27B"].n_attention == 16 and SHAPES["Qwen3.5-27B"].n_gdn == 48
+
+
+def test_byte_math_agrees_with_the_engine():
+    from ninfer.engine.cache.manager import kv_bytes_per_token as engine_kv
+    from ninfer.engine.cache.manager import state_shapes
+    from ninfer.engine.cache.state_pool import StateSlotPool
+
+    for shape in SHAPES.values():
+        assert kv_bytes_per_token(shape, 2) == engine_kv(shape.config, torch.bfloat16)
+        engine_state = StateSlotPool.bytes_per_slot(shape.n_gdn, *state_shapes(shape.config), torch.bfloat16)
+        assert state_bytes_per_lane(shape, 2) == engine_state
+
+
+def test_parameter_count_matches_a_built_model():
+    """Shrink the 35B-A3B's widths, keep its structure (MoE, shared expert, GDN, gated attention),
+    build it with the engine and count its parameters."""
+    from ninfer.engine.config import ModelConfig
+    from ninfer.engine.models.registry import build_model
+
+    cfg = dict(KNOWN["Qwen3.5-35B-A3B"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=300)
+    shape = shape_from_dict(cfg, "tiny")
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_hf_dict(cfg))
+    assert sum(p.numel() for p in model.parameters()) == shape.params.total
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("weights", ["bf16", "4bit"])
+@pytest.mark.parametrize("gb", list(GPUS))
+def test_every_plan_fits_or_is_refused_with_what_fits(name, weights, gb):
+    shape, device = SHAPES[name], gpu(gb)
+    contexts = []
+    for lanes in (1, 2, 4, 8, 16):
+        try:
+            plan = make_plan(shape, device, Want(lanes=lanes, weights=weights), load_presets())
+        except DoesNotFit as exc:
+            message = str(exc)
+            assert shape.name in message and "fit" in message
+            if lanes == 1:  # nothing fits at all: the message names an alternative or says why none
+                assert "What would fit:" in message or "Nothing fits" in message
+            contexts.append(0)
+            continue
+        assert plan.total + plan.margin <= device.free, plan.describe()
+        assert plan.margin >= 512 * MiB
+        assert plan.parts["weights"] == weight_bytes(shape.params, weights, 2)
+        s = plan.settings
+        assert s.lanes == lanes and MIN_CONTEXT <= s.context <= shape.max_context
+        assert s.kv_tokens >= s.lanes * s.context
+        contexts.append(s.context)
+    # more lanes never give more context per request, and below the model's limit they give less
+    assert contexts == sorted(contexts, reverse=True)
+    for a, b in zip(contexts, contexts[1:]):
+        if b and a < shape.max_context:
+            assert b < a
+
+
+def test_small_model_on_big_gpu_gets_full_context_and_drafts():
+    plan = make_plan(SHAPES["Qwen3.5-0.8B"], gpu(141), Want(lanes=1))
+    assert plan.settings.context == 262144 and plan.settings.drafts == 4
+    assert plan.parts["mtp_weights"] > 0 and plan.parts["mtp_kv"] > 0
+
+
+def test_refusal_names_what_would_fit():
+    with pytest.raises(DoesNotFit) as info:
+        make_plan(SHAPES["Qwen3.5-27B"], gpu(24), Want(weights="bf16"))
+    msg = str(info.value)
+    assert "50.1 GiB" in msg and "4bit weights: 1 request of up to" in msg
+    with pytest.raises(DoesNotFit) as info:
+        make_plan(SHAPES["Qwen3.5-9B"], gpu(24), Want(lanes=8, context=262144))
+    assert "What would fit: " in str(info.value) and "request(s) of up to" in str(info.value)
+
+
+def test_auto_lanes_keep_long_context_and_cpu_mode_is_modest():
+    plan = make_plan(SHAPES["Qwen3.5-27B"], gpu(24), Want(weights="4bit"))
+    assert plan.settings.lanes == 1  # tight: one request with the most context
+    cpu = Device("CPU", 32 << 30, 24 << 30, None)
+    plan = make_plan(SHAPES["Qwen3.5-0.8B"], cpu)
+    assert plan.settings.drafts == 0 and plan.settings.context <= 8192
+    assert plan.server_args()[:2] == ["--device", "cpu"]
+
+
+def test_server_args_only_use_flags_ninfer_serve_accepts():
+    from ninfer.server.cli import build_parser
+
+    plan = make_plan(SHAPES["Qwen3.5-9B"], gpu(80))
+    args = build_parser().parse_args(plan.server_args())
+    s = plan.settings
+    assert (args.max_context, args.max_concurrency, args.prefill_chunk) == (s.context, s.lanes, s.prefill_chunk)
+    assert int(args.kv_capacity) == s.kv_tokens and args.device == "cuda:0"
+
+
+def test_preset_row_wins_when_it_fits_and_is_checked_when_not():
+    shape = SHAPES["Qwen3.5-9B"]
+    row = Preset(model=shape.signature, name="Qwen3.5-9B", weights="bf16", gpu_min_gib=70, gpu_max_gib=100,
+                 lanes_min=1, lanes_max=2, context=131072, prefill_chunk=1024, drafts=2, note="test row")
+    plan = make_plan(shape, gpu(80), Want(lanes=2), [row])
+    assert plan.source == "preset: test row"
+    assert (plan.settings.context, plan.settings.prefill_chunk, plan.settings.drafts) == (131072, 1024, 2)
+    busy = Device("80 GB GPU", GPUS[80] * MiB, 22000 * MiB, 0)  # someone else holds most of it
+    plan = make_plan(shape, busy, Want(lanes=2), [row])
+    assert plan.source == "plan" and any("does not fit" in r for r in plan.reasons)
+    assert plan.total + plan.margin <= busy.free
+
+
+def test_shipped_presets_load_and_name_known_shapes():
+    signatures = {s.signature for s in SHAPES.values()}
+    for row in load_presets():
+        assert row.model in signatures, row

@@ -1,0 +1,118 @@
+"""The real tray under Xvfb: pystray's X backend docks the icon in a system tray (xembed_host.py),
+a click opens the menu, keys pick entries, and a screenshot goes to docs/screenshots/tray.png."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support.server_process import free_port
+
+HERE = Path(__file__).resolve().parent
+SCREENSHOT = HERE.parents[1] / "docs" / "screenshots" / "tray.png"
+
+pytestmark = pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
+                                reason="needs Xvfb and xdotool (launchers/setup.sh test installs them)")
+
+
+@pytest.fixture
+def display():
+    xvfb = subprocess.Popen(["Xvfb", "-displayfd", "1", "-screen", "0", "1024x640x24", "-nolisten", "tcp"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    number = xvfb.stdout.readline().strip()
+    assert number, "Xvfb did not start"
+    yield f":{number}"
+    xvfb.terminate()
+    xvfb.wait(10)
+
+
+def xdotool(env: dict, *args: str) -> None:
+    subprocess.run(["xdotool", *args], env=env, check=True, timeout=10)
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def menu_shown(env: dict) -> bool:
+    found = subprocess.run(["xdotool", "search", "--onlyvisible", "--class", "Menu"], env=env,
+                           capture_output=True, text=True)
+    return bool(found.stdout.strip())
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_tray_menu_under_xvfb(display, tmp_path, app_home):
+    env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "xorg", "NINFER_APP_HOME": str(app_home)}
+    port = free_port()
+    app_home.mkdir(parents=True, exist_ok=True)
+    (app_home / "settings.json").write_text(json.dumps({"port": port}))
+    host = subprocess.Popen([sys.executable, str(HERE / "xembed_host.py")], env=env, stdout=subprocess.PIPE, text=True)
+    tray = None
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        tray = subprocess.Popen([sys.executable, str(HERE / "tray_under_x.py"), str(tmp_path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert tray.stdout.readline().strip() == "has_menu False"  # the X backend: our popup menu
+        docked = host.stdout.readline().split()
+        assert docked[0] == "docked", docked
+        x, y = docked[3], docked[4]
+        wait_until(lambda: healthy(f"http://127.0.0.1:{port}/health"), what="the stand-in server")
+        time.sleep(0.5)  # the icon turns green
+
+        xdotool(env, "mousemove", x, y, "click", "1")
+        wait_until(lambda: menu_shown(env), what="the popup menu")
+        for _ in range(4):  # Open chat, Open monitor, Context, Concurrency (disabled lines are skipped)
+            xdotool(env, "key", "Down")
+        xdotool(env, "key", "Right")
+        time.sleep(1.0)
+        from PIL import ImageGrab
+
+        shot = ImageGrab.grab(xdisplay=display)
+        left, top, right, bottom = shot.convert("L").point(lambda v: 255 if v else 0).getbbox()  # tray + menu
+        shot = shot.crop((max(left - 16, 0), 0, shot.width, min(bottom + 16, shot.height)))
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shot.save(SCREENSHOT)
+        assert shot.width > 300 and shot.height > 200 and len(shot.getcolors(1 << 16) or []) > 20  # a menu, not blank
+        xdotool(env, "key", "Escape")
+        xdotool(env, "key", "Escape")
+        wait_until(lambda: not menu_shown(env), what="the menu to close")
+
+        xdotool(env, "mousemove", x, y, "click", "1")
+        wait_until(lambda: menu_shown(env), what="the popup menu")
+        xdotool(env, "key", "Down")
+        xdotool(env, "key", "Return")
+        opened = tmp_path / "opened"
+        wait_until(opened.exists, what="Open chat")
+        assert opened.read_text().splitlines() == [f"chat http://127.0.0.1:{port}/"]
+
+        wait_until(lambda: not menu_shown(env), what="the menu to close")
+        xdotool(env, "mousemove", x, y, "click", "1")
+        wait_until(lambda: menu_shown(env), what="the popup menu")
+        xdotool(env, "key", "Up")  # wraps to the last entry: Quit
+        xdotool(env, "key", "Return")
+        assert tray.wait(20) == 0
+        assert "quit" in tray.stdout.read()
+        assert not healthy(f"http://127.0.0.1:{port}/health")  # the server stopped with the tray
+    finally:
+        if tray is not None and tray.poll() is None:
+            tray.kill()
+        host.kill()
+        host.wait()
