@@ -4,12 +4,44 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.frontend.tool_parser import ToolSpec
 from ..engine.outputs import RequestOutput
 from .errors import APIError, invalid, unsupported
 from .state import ServerState
+
+
+def normalize_stops(value: str | list[str] | None) -> list[str]:
+    """``stop`` as a list of at most four non-empty strings (pydantic validator body)."""
+    stops = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if len(stops) > 4:
+        raise ValueError("at most 4 stop sequences are allowed")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return stops
+
+
+def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool | None,
+                   allowed_names: Callable[[dict], list[str]]) -> list["FunctionTool"]:
+    """The tools ``tool_choice`` lets the model call, in declaration order. ``allowed_names``
+    reads an ``allowed_tools`` choice in its API family's shape and returns the names it allows."""
+    if choice is None or choice == "auto":
+        allowed = list(tools)
+    elif choice == "none":
+        allowed = []
+    elif choice == "required":
+        raise unsupported("tool_choice", "'required' needs constrained decoding; use 'auto'")
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        names = allowed_names(choice)
+        allowed = [t for t in tools if t.name in names]
+    elif isinstance(choice, dict):
+        raise unsupported("tool_choice", "a named or hosted tool choice needs constrained decoding; use 'auto'")
+    else:
+        raise invalid("tool_choice", f"unknown tool_choice {choice!r}")
+    if allowed and parallel is False:
+        raise unsupported("parallel_tool_calls", "false cannot be enforced while tools are callable")
+    return allowed
 
 
 def check_model(state: ServerState, model: str) -> None:

@@ -73,12 +73,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` after the final norm for the flat token run.
 
-        Appends to every cache in ``batch.caches`` and advances their ``num_tokens`` (see above)."""
-        raise NotImplementedError
+        Appends to every cache in ``batch.caches`` and advances their ``num_tokens`` (see above).
+        Subclasses hold the decoder stack as ``self.model`` and the output head as ``self.lm_head``."""
+        if input_ids.shape[0] != sum(batch.seq_lens):
+            raise ValueError(f"{input_ids.shape[0]} input ids for seq_lens {batch.seq_lens}")
+        hidden = self.model(input_ids, batch)
+        batch.advance_caches()
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` (fp32) for the given rows of hidden states."""
-        raise NotImplementedError
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take checkpoint tensors under their Hugging Face names (prefixes already normalised)."""

@@ -139,16 +139,6 @@ class Qwen3_5ForCausalLM(CausalLM):
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if input_ids.shape[0] != sum(batch.seq_lens):
-            raise ValueError(f"{input_ids.shape[0]} input ids for seq_lens {batch.seq_lens}")
-        hidden = self.model(input_ids, batch)
-        batch.advance_caches()
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.is_moe:
             weights = fuse_expert_weights(weights, self.config.num_experts)

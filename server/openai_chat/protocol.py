@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
-from ..openai_common import FunctionTool, function_tool, unique_names
+from ..openai_common import FunctionTool, callable_tools, function_tool, normalize_stops, unique_names
 
 CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                        "guided_grammar", "guided_decoding_backend", "json_schema")
@@ -127,12 +127,7 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Union[str, list[str], None]) -> list[str]:
-        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return normalize_stops(v)
 
     # ------------------------------------------------------------------ checks
     def reject_unsupported(self) -> None:
@@ -226,32 +221,8 @@ class ChatCompletionRequest(BaseModel):
 
     def callable_tools(self, tools: list[FunctionTool]) -> list[FunctionTool]:
         """The subset ``tool_choice`` lets the model call, in declaration order."""
-        choice = self.tool_choice
-        if choice is None or choice == "auto":
-            allowed = tools
-        elif choice == "none":
-            allowed = []
-        elif choice == "required":
-            raise unsupported("tool_choice", "'required' needs constrained decoding; use 'auto'")
-        elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-            spec = choice.get("allowed_tools") or {}
-            if spec.get("mode", "auto") != "auto":
-                raise unsupported("tool_choice.allowed_tools.mode", "only mode 'auto'")
-            names = []
-            for j, ref in enumerate(spec.get("tools") or []):
-                fn = ref.get("function") if isinstance(ref, dict) else None
-                name = fn.get("name") if isinstance(fn, dict) else ref.get("name") if isinstance(ref, dict) else None
-                if not isinstance(name, str) or name not in {t.name for t in tools}:
-                    raise invalid(f"tool_choice.allowed_tools.tools[{j}]", f"no declared function tool {name!r}")
-                names.append(name)
-            allowed = [t for t in tools if t.name in names]
-        elif isinstance(choice, dict):
-            raise unsupported("tool_choice", "a named tool choice needs constrained decoding; use 'auto'")
-        else:
-            raise invalid("tool_choice", f"unknown tool_choice {choice!r}")
-        if allowed and self.parallel_tool_calls is False:
-            raise unsupported("parallel_tool_calls", "false cannot be enforced while tools are callable")
-        return allowed
+        return callable_tools(tools, self.tool_choice, self.parallel_tool_calls,
+                              lambda choice: _allowed_names(choice, tools))
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -302,3 +273,18 @@ def check_tool_history(req: ChatCompletionRequest) -> None:
             if not isinstance(value, dict):
                 raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments",
                               "tool call arguments must be a JSON object")
+
+
+def _allowed_names(choice: dict, tools: list[FunctionTool]) -> list[str]:
+    """Names in a Chat ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`` choice."""
+    spec = choice.get("allowed_tools") or {}
+    if spec.get("mode", "auto") != "auto":
+        raise unsupported("tool_choice.allowed_tools.mode", "only mode 'auto'")
+    names = []
+    for j, ref in enumerate(spec.get("tools") or []):
+        fn = ref.get("function") if isinstance(ref, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise invalid(f"tool_choice.allowed_tools.tools[{j}]", f"no declared function tool {name!r}")
+        names.append(name)
+    return names

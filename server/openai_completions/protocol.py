@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
+from ..openai_common import normalize_stops
 
 DEFAULT_MAX_TOKENS = 16  # the legacy API's documented default
 
@@ -51,12 +52,7 @@ class CompletionRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Union[str, list[str], None]) -> list[str]:
-        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return normalize_stops(v)
 
     def reject_unsupported(self) -> None:
         if self.n not in (None, 1):

@@ -9,7 +9,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid, unsupported
 from ..generation import Sampling, check_context, lower_roles, prepare, render_prompt, template_options
-from ..openai_common import FunctionTool, check_model, function_tool, new_id, unique_names
+from ..openai_common import FunctionTool, callable_tools, check_model, function_tool, new_id, unique_names
 from ..state import ServerState
 from ..streaming import sse_event
 from .items import engine_name, normalize_input, to_messages
@@ -47,32 +47,19 @@ def response_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
     return out
 
 
-def callable_tools(tools: list[FunctionTool], choice: Any, parallel: bool | None) -> list[FunctionTool]:
-    if choice is None or choice == "auto":
-        allowed = tools
-    elif choice == "none":
-        allowed = []
-    elif choice == "required":
-        raise unsupported("tool_choice", "'required' needs constrained decoding; use 'auto'")
-    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        if choice.get("mode", "auto") != "auto":
-            raise unsupported("tool_choice.mode", "only mode 'auto'")
-        names = []
-        for j, ref in enumerate(choice.get("tools") or []):
-            if not isinstance(ref, dict) or ref.get("type") != "function" or not isinstance(ref.get("name"), str):
-                raise unsupported(f"tool_choice.tools[{j}]", "only function tools can be allowed")
-            name = engine_name(ref["name"], ref.get("namespace"))
-            if name not in {t.name for t in tools}:
-                raise invalid(f"tool_choice.tools[{j}]", f"no declared function {name!r}")
-            names.append(name)
-        allowed = [t for t in tools if t.name in names]
-    elif isinstance(choice, dict):
-        raise unsupported("tool_choice", "a named or hosted tool choice; use 'auto'")
-    else:
-        raise invalid("tool_choice", f"unknown tool_choice {choice!r}")
-    if allowed and parallel is False:
-        raise unsupported("parallel_tool_calls", "false cannot be enforced while tools are callable")
-    return allowed
+def allowed_names(choice: dict, tools: list[FunctionTool]) -> list[str]:
+    """Names in a Responses ``{"type": "allowed_tools", "mode", "tools"}`` choice."""
+    if choice.get("mode", "auto") != "auto":
+        raise unsupported("tool_choice.mode", "only mode 'auto'")
+    names = []
+    for j, ref in enumerate(choice.get("tools") or []):
+        if not isinstance(ref, dict) or ref.get("type") != "function" or not isinstance(ref.get("name"), str):
+            raise unsupported(f"tool_choice.tools[{j}]", "only function tools can be allowed")
+        name = engine_name(ref["name"], ref.get("namespace"))
+        if name not in {t.name for t in tools}:
+            raise invalid(f"tool_choice.tools[{j}]", f"no declared function {name!r}")
+        names.append(name)
+    return names
 
 
 # ---------------------------------------------------------------------------- preparation
@@ -98,7 +85,9 @@ class PreparedResponse:
         history = self.context + self.input_items
         if not any(i["type"] == "message" and i["role"] == "user" for i in history):
             raise invalid("input", "the conversation needs a user message")
-        self.tools = callable_tools(response_tools(req.tools), req.tool_choice, req.parallel_tool_calls)
+        declared = response_tools(req.tools)
+        self.tools = callable_tools(declared, req.tool_choice, req.parallel_tool_calls,
+                                    lambda choice: allowed_names(choice, declared))
         kwargs = req.chat_template_kwargs or {}
         preserve = req.preserve_thinking
         if preserve is None and kwargs.get("preserve_thinking") is None and self.parent is not None:
