@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ..engine.async_engine import EngineError
 from ..engine.frontend.chat_template import TemplateError
+from ..engine.frontend.control_guard import guard_for
 from ..engine.frontend.reasoning import THINK_CLOSE, prompt_opens_reasoning
 from ..engine.frontend.tool_parser import ToolSpec
 from ..engine.outputs import RequestOutput
@@ -104,11 +105,13 @@ def lower_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   options: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
+    guard = guard_for(state.tokenizer)
+    guarded, literals = guard.protect(messages)
     try:
-        text = state.template.render(messages, add_generation_prompt=True, tools=tools or None, **options)
+        text = state.template.render(guarded, add_generation_prompt=True, tools=tools or None, **options)
     except TemplateError as exc:
         raise APIError(400, f"the conversation cannot be rendered: {exc}", param, "invalid_prompt") from exc
-    return text, state.tokenizer.encode(text)
+    return guard.encode(text, literals)
 
 
 def check_context(state: ServerState, prompt_tokens: int, param: str = "messages") -> None:

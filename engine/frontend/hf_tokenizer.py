@@ -42,6 +42,9 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
+    def control_strings(self) -> list[str]:
+        return [t.content for t in self.backend.get_added_tokens_decoder().values() if t.content]
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

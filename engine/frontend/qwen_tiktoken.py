@@ -33,6 +33,12 @@ class QwenTiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._qwen.decode(list(ids), errors="replace")
 
+    def control_strings(self) -> list[str]:
+        return [token for token in self._ids if isinstance(token, str)]
+
+    def encode_literal(self, text: str) -> list[int]:
+        return self._qwen.encode(text, allowed_special=set(), disallowed_special=())
+
     def token_bytes(self, token_id: int) -> bytes:
         token = self._qwen.decoder[token_id]
         return token if isinstance(token, bytes) else token.encode("utf-8")

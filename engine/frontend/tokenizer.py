@@ -31,6 +31,16 @@ class Tokenizer(ABC):
     def token_to_id(self, token: str) -> int | None:
         """Id of a token given by its surface form (e.g. ``<|im_end|>``), or None."""
 
+    def control_strings(self) -> list[str]:
+        """Surface forms that ``encode`` turns into single added / special tokens (``<|im_end|>``,
+        ``<think>``, ...), so that text from users can be kept from forming them."""
+        return []
+
+    def encode_literal(self, text: str) -> list[int]:
+        """``text`` as plain text even when it spells a control token: encoded in two pieces,
+        neither of which can match the token's whole surface form."""
+        return self.encode(text[:1]) + self.encode(text[1:]) if text else []
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a multi-byte character is not valid UTF-8)."""
         return self.decode([token_id]).encode("utf-8")
