@@ -90,7 +90,16 @@ class LLMEngine:
         if not plan:
             return outputs
         ready, tokens = self.runner.execute(plan)
+        outputs += self._progress(plan, ready)
         return outputs + self._postprocess(ready, tokens)
+
+    def _progress(self, plan: list[tuple[Request, int]], ready: list[Request]) -> list[RequestOutput]:
+        """One output per prompt chunk that committed without finishing the prompt (first pass
+        only: a request rebuilt by replay has reported its prompt already)."""
+        done = {id(r) for r in ready}
+        return [RequestOutput(r.request_id, prompt_tokens=len(r.prompt_ids), prompt_processed=r.num_computed)
+                for r, _ in plan
+                if id(r) not in done and r.first_token_time is None and r.num_computed <= len(r.prompt_ids)]
 
     def _postprocess(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs = []

@@ -11,6 +11,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # new tokens since the last output
     finished: bool = False
     admitted: bool = False  # the one output saying the request has left the queue
+    prompt_processed: int | None = None  # set on progress outputs: prompt tokens now in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
     prompt_tokens: int = 0

@@ -97,9 +97,15 @@ async def stream(chat: PreparedChat, admitted: RequestOutput, outputs: AsyncIter
         yield progress(admitted.cached_tokens)
     parser = chat.parser()
     prefilled = False
+    last_progress = admitted.cached_tokens
     try:
         async for out in outputs:
             clock.observe(out)
+            if out.prompt_processed is not None:
+                if req.return_progress and out.prompt_processed > last_progress:
+                    last_progress = out.prompt_processed
+                    yield progress(out.prompt_processed)
+                continue
             if req.return_progress and not prefilled and (out.completion_tokens or out.finished):
                 prefilled = True
                 yield progress(admitted.prompt_tokens)
