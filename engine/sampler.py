@@ -55,13 +55,14 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum()
 
 
-def sample_one(logits: torch.Tensor, req: Request) -> int:
+def sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """The token for one row, as a one-element tensor left on the device (read later, together)."""
     params = req.params
     logits = apply_penalties(logits.float().clone(), params, req.prompt_ids, req.output_ids)
     if params.greedy:
-        return int(torch.argmax(logits).item())
+        return torch.argmax(logits).reshape(1)
     probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    return torch.multinomial(probs, 1, generator=req.generator)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
@@ -70,15 +71,10 @@ def _plain_greedy(params: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``. Plain greedy rows
-    are decided together on the device and read back with one copy."""
-    plain = [i for i, r in enumerate(reqs) if _plain_greedy(r.params)]
-    out: list[int] = [0] * len(reqs)
-    if plain:
-        rows = logits if len(plain) == len(reqs) else logits[plain]
-        for i, token in zip(plain, torch.argmax(rows, dim=-1).tolist()):
-            out[i] = token
-    for i, req in enumerate(reqs):
-        if not _plain_greedy(req.params):
-            out[i] = sample_one(logits[i], req)
-    return out
+    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``. Every row is decided
+    on the device (plain greedy rows in one argmax) and all tokens are read back with one copy."""
+    if all(_plain_greedy(r.params) for r in reqs):
+        return torch.argmax(logits, dim=-1).tolist()
+    greedy = torch.argmax(logits, dim=-1)
+    rows = [greedy[i : i + 1] if _plain_greedy(r.params) else sample_one(logits[i], r) for i, r in enumerate(reqs)]
+    return torch.cat(rows).tolist()
