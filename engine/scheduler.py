@@ -67,8 +67,8 @@ class Scheduler:
         self._admit()
         plan: list[tuple[Request, int]] = []
         for req in list(self.running):
-            if req.status is Status.DECODE:
-                n = 1
+            if req.status is Status.DECODE:  # usually one token; more after forced tokens
+                n = max(1, min(req.num_uncomputed, self.config.prefill_chunk))
             elif req.status is Status.PREFILL and not any(r.status is Status.PREFILL for r, _ in plan):
                 n = min(req.num_uncomputed, self.config.prefill_chunk)
             else:
