@@ -101,3 +101,23 @@ def test_eos_stops_and_is_not_text(parts):
     first = free.index(eos)
     assert out[0] == free[: first + 1] and out[2] == "stop"
     assert out[1] == tok.decode(free[:first])
+
+
+def test_forced_close_tokens_run_in_one_step(parts):
+    """A thinking budget commits its close tokens without sampling; the next step runs them all in
+    one forward (not one token per step), and then a token is sampled again."""
+    from ninfer.engine.sampling_params import ThinkingControl
+
+    model, tok = parts
+    engine = make_engine(parts)
+    close = (5, 6, 7, 2)
+    control = ThinkingControl(end_id=2, budget=3, close_ids=close)
+    r = Request("r0", prompts(tok)[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                      thinking=control), max_total_tokens=256)
+    engine.add_request(r)
+    while len(r.output_ids) < 3:
+        engine.step()
+    assert r.output_ids[3:] == list(close)  # forced right after the third reasoning token
+    assert r.num_tokens - r.num_computed == 1 + len(close)
+    (req, n), = engine.scheduler.schedule()
+    assert req is r and n == 1 + len(close)
