@@ -76,6 +76,12 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)  # not a buffer: see class doc
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
+    @classmethod
+    def from_config(cls, config) -> "RotaryEmbedding":
+        """The rotary embedding a ``ModelConfig`` describes (partial rotation included)."""
+        return cls(config.head_dim, int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
+                   config.rope_scaling, config.max_position_embeddings)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos`` and ``sin``, each ``[N, rotary_dim // 2]``, for ``positions`` ``[N]``."""
         inv_freq = self._inv_freq_by_device.get(positions.device)

@@ -54,13 +54,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, qk_norm: str | None) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(
-            config.head_dim,
-            int(config.head_dim * config.partial_rotary_factor),
-            config.rope_theta,
-            config.rope_scaling,
-            config.max_position_embeddings,
-        )
+        rotary = RotaryEmbedding.from_config(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, rotary, qk_norm) for i in range(config.num_hidden_layers)

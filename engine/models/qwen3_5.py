@@ -97,13 +97,7 @@ class HybridDecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, gdn_class: type[GatedDeltaNet], norm_topk_prob: bool) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(
-            config.head_dim,
-            int(config.head_dim * config.partial_rotary_factor),
-            config.rope_theta,
-            config.rope_scaling,
-            config.max_position_embeddings,
-        )
+        rotary = RotaryEmbedding.from_config(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(config, i, rotary, gdn_class, norm_topk_prob)
