@@ -35,6 +35,9 @@ class Metrics:
                                 ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        self.failures = Counter("ninfer_response_failures", "Generation requests that passed validation and then "
+                                "got no answer: engine errors, queue timeouts, overload (validation failures and "
+                                "token counting excluded)", registry=self.registry)
         self.ttft = Histogram("ninfer_time_to_first_token_seconds", "From HTTP arrival to the first output token",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.duration = Histogram("ninfer_request_duration_seconds",

@@ -55,6 +55,8 @@ class RequestMonitor:
     def rejected(self, trace: HttpTrace) -> None:
         """A generation request that ended in an error before reaching the engine."""
         self.hub.metrics.requests.labels("rejected").inc()
+        if trace.status is not None and (trace.status == 429 or trace.status >= 500):
+            self.hub.metrics.failures.inc()  # valid, but refused for lack of capacity or a broken engine
         if self.hub.log is None:
             return
         self.hub.log.write(
@@ -150,6 +152,8 @@ class RequestWatch:
         else:
             outcome, reason = "done", final.finish_reason or "stop"
         hub.metrics.requests.labels(outcome).inc()
+        if outcome == "error":
+            hub.metrics.failures.inc()
         queue = (self.admitted_at if self.admitted_at is not None else now) - self.submitted
         total = now - self.t0
         if outcome != "error":  # settled outcomes; failures are counted apart

@@ -61,6 +61,7 @@ def test_metrics_need_the_key_and_name_the_seed_families(served):
                  "ninfer_device_state_used_slots", "ninfer_device_state_capacity_slots",
                  "ninfer_time_to_first_token_seconds_count", "ninfer_request_duration_seconds_count",
                  "ninfer_request_queue_seconds_count", 'ninfer_requests_total{outcome="done"}',
+                 "ninfer_response_failures_total",
                  "ninfer_max_concurrency", "ninfer_max_context_tokens"]:
         assert name in m, name
     assert m["ninfer_engine_ready"] == 1
@@ -93,6 +94,7 @@ def test_rejected_requests_are_counted(client):
     after = scrape(client)
     assert delta(before, after, 'ninfer_requests_total{outcome="rejected"}') == 1
     assert delta(before, after, "ninfer_prompt_tokens_total") == 0
+    assert delta(before, after, "ninfer_response_failures_total") == 0  # a validation failure is not one
 
 
 def test_stats_shape_and_agreement_with_metrics(client, served):
@@ -170,6 +172,7 @@ def test_engine_failure_leaves_metrics_readable(monkeypatch):
             m = scrape(client)
             assert m["ninfer_engine_ready"] == 0
             assert m['ninfer_requests_total{outcome="error"}'] + m['ninfer_requests_total{outcome="rejected"}'] == 1
+            assert m["ninfer_response_failures_total"] == 1
             assert client.get("/stats").json()["healthy"] is False
     finally:
         loop.stop()
