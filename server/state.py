@@ -53,3 +53,8 @@ class ServerState:
     responses: Any = None  # ResponseStore (server/openai_responses/store.py)
     observability: Any = None  # Observability hub (server/observability), set by bootstrap
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def state_of(request) -> ServerState:
+    """The ``ServerState`` of the app serving ``request``."""
+    return request.app.state.ninfer

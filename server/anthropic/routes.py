@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 from ..cancellation import cancel_on_disconnect
 from ..generation import start
-from ..state import ServerState
+from ..state import state_of
 from ..streaming import sse_response
 from . import serving
 from .errors import AnthropicEnvelope
@@ -17,7 +17,7 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    state: ServerState = request.app.state.ninfer
+    state = state_of(request)
     prep = serving.PreparedMessages(body, state)
     admitted, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
     if body.stream:
@@ -27,7 +27,7 @@ async def messages(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.count_tokens(body, request.app.state.ninfer))
+    return JSONResponse(serving.count_tokens(body, state_of(request)))
 
 
 def install(app: FastAPI) -> None:

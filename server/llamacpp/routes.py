@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from ..cancellation import cancel_on_disconnect
 from ..errors import APIError
 from ..generation import start
-from ..state import ServerState
+from ..state import state_of
 from ..streaming import sse_response
 from . import serving
 from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -15,13 +15,9 @@ from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest
 router = APIRouter()
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.ninfer
-
-
 @router.post("/completion")
 async def completion(body: CompletionRequest, request: Request):
-    state = _state(request)
+    state = state_of(request)
     prep = serving.PreparedCompletion(body, state)
     _, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
     if body.stream:
@@ -31,17 +27,17 @@ async def completion(body: CompletionRequest, request: Request):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.tokenize(_state(request), body))
+    return JSONResponse(serving.tokenize(state_of(request), body))
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.detokenize(_state(request), body.tokens))
+    return JSONResponse(serving.detokenize(state_of(request), body.tokens))
 
 
 @router.post("/apply-template")
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> JSONResponse:
-    state = _state(request)
+    state = state_of(request)
     if body.model is not None and body.model != state.model_id:
         raise APIError(400, f"model '{body.model}' does not exist; this server serves '{state.model_id}'",
                        "model", "model_not_found")
@@ -50,9 +46,9 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> JSONRe
 
 @router.get("/props")
 async def props(request: Request) -> JSONResponse:
-    return JSONResponse(serving.props(_state(request)))
+    return JSONResponse(serving.props(state_of(request)))
 
 
 @router.get("/slots")
 async def slots(request: Request) -> JSONResponse:
-    return JSONResponse(serving.slots(_state(request)))
+    return JSONResponse(serving.slots(state_of(request)))

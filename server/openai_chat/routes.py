@@ -5,7 +5,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..generation import start
-from ..state import ServerState
+from ..state import state_of
 from ..cancellation import cancel_on_disconnect
 from ..streaming import sse_response
 from . import serving
@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state: ServerState = request.app.state.ninfer
+    state = state_of(request)
     chat = serving.PreparedChat(body, state)
     p = chat.prepared
     admitted, outputs = await cancel_on_disconnect(request, start(state, p.prompt_ids, p.params, chat.id))

@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 from ..cancellation import cancel_on_disconnect
 from ..generation import start
-from ..state import ServerState
+from ..state import state_of
 from ..streaming import sse_response
 from . import serving
 from .protocol import CompletionRequest
@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    state: ServerState = request.app.state.ninfer
+    state = state_of(request)
     c = serving.PreparedCompletion(body, state)
     _, outputs = await cancel_on_disconnect(request, start(state, c.prompt_ids, c.params, c.id))
     if body.stream:

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from ..cancellation import cancel_on_disconnect
 from ..errors import APIError, unsupported
 from ..generation import start
-from ..state import ServerState
+from ..state import state_of
 from ..streaming import sse_response
 from . import serving
 from .protocol import InputItemsOrder, InputTokensRequest, ResponsesRequest
@@ -15,13 +15,9 @@ from .protocol import InputItemsOrder, InputTokensRequest, ResponsesRequest
 router = APIRouter()
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.ninfer
-
-
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request):
-    state = _state(request)
+    state = state_of(request)
     run = serving.ResponseRun(body, state)
     p = run.prepared
     _, outputs = await cancel_on_disconnect(request, start(state, p.prompt_ids, p.params, run.id))
@@ -32,7 +28,7 @@ async def create(body: ResponsesRequest, request: Request):
 
 @router.post("/v1/responses/input_tokens")
 async def input_tokens(body: InputTokensRequest, request: Request) -> dict:
-    return serving.count_input_tokens(body, _state(request))
+    return serving.count_input_tokens(body, state_of(request))
 
 
 @router.post("/v1/responses/compact")
@@ -43,7 +39,7 @@ async def compact() -> dict:
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, request: Request, include: list[str] | None = Query(default=None),
                    stream: bool | None = None) -> dict:
-    entry = serving.stored(_state(request), response_id)
+    entry = serving.stored(state_of(request), response_id)
     if include:
         raise unsupported("include", "no additional output data is available")
     if stream:
@@ -53,7 +49,7 @@ async def retrieve(response_id: str, request: Request, include: list[str] | None
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request) -> dict:
-    state = _state(request)
+    state = state_of(request)
     serving.stored(state, response_id)
     state.responses.delete(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -63,7 +59,7 @@ async def delete(response_id: str, request: Request) -> dict:
 async def input_items(response_id: str, request: Request, after: str | None = None,
                       limit: int = Query(default=20, ge=1, le=100), order: InputItemsOrder = "desc",
                       include: list[str] | None = Query(default=None)) -> dict:
-    entry = serving.stored(_state(request), response_id)
+    entry = serving.stored(state_of(request), response_id)
     if include:
         raise unsupported("include", "no additional Item data is available")
     return serving.input_items_page(entry, after, limit, order)
@@ -71,6 +67,6 @@ async def input_items(response_id: str, request: Request, after: str | None = No
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel(response_id: str, request: Request) -> JSONResponse:
-    serving.stored(_state(request), response_id)
+    serving.stored(state_of(request), response_id)
     raise APIError(400, "only background responses can be cancelled, and background execution is not supported",
                    None, "background_not_supported")
