@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -20,6 +20,23 @@ class GenerationDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+
+    @classmethod
+    def read(cls, eos_token_ids: list[int], lookup: Callable[[str], Any]) -> "GenerationDefaults":
+        """``lookup(field)`` gives a sampling field's raw value from the source, or None."""
+
+        def num(field: str, kind: type) -> Any:
+            value = lookup(field)
+            return None if value is None else kind(value)
+
+        return cls(
+            eos_token_ids=eos_token_ids,
+            temperature=num("temperature", float),
+            top_p=num("top_p", float),
+            top_k=num("top_k", int),
+            min_p=num("min_p", float),
+            repetition_penalty=num("repetition_penalty", float),
+        )
 
 
 @dataclass

@@ -263,18 +263,8 @@ def generation_defaults(meta: dict[str, Any]) -> GenerationDefaults:
         if value is not None and int(value) not in eos:
             eos.append(int(value))
 
-    def num(name: str, kind: type) -> Any:
-        value = meta.get(f"general.sampling.{name}")
-        return None if value is None else kind(value)
-
-    return GenerationDefaults(
-        eos_token_ids=eos,
-        temperature=num("temp", float),
-        top_p=num("top_p", float),
-        top_k=num("top_k", int),
-        min_p=num("min_p", float),
-        repetition_penalty=num("penalty_repeat", float),
-    )
+    keys = {"temperature": "temp", "repetition_penalty": "penalty_repeat"}  # GGUF's names where they differ
+    return GenerationDefaults.read(eos, lambda field: meta.get(f"general.sampling.{keys.get(field, field)}"))
 
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:

@@ -82,18 +82,7 @@ def generation_defaults(path: str, config: ModelConfig) -> GenerationDefaults:
     else:
         eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
-    def num(key: str, kind: type) -> Any:
-        value = gen.get(key)
-        return None if value is None else kind(value)
-
-    return GenerationDefaults(
-        eos_token_ids=eos_ids,
-        temperature=num("temperature", float),
-        top_p=num("top_p", float),
-        top_k=num("top_k", int),
-        min_p=num("min_p", float),
-        repetition_penalty=num("repetition_penalty", float),
-    )
+    return GenerationDefaults.read(eos_ids, gen.get)
 
 
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
