@@ -17,6 +17,7 @@ from .fused_linear import fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
+from .triton_switch import on_triton
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
@@ -118,6 +119,9 @@ class Attention(nn.Module):
             q, k, v = split_linear(hidden, self._fused, self._sizes)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if batch.decode is not None and on_triton(hidden):
+            out = self._decode_fused(q, k, v, batch.positions, batch.decode)
+            return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
@@ -144,6 +148,26 @@ class Attention(nn.Module):
     def fuse_projections(self) -> bool:
         self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         return self._fused is not None
+
+    def _decode_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      meta) -> torch.Tensor:
+        """The decode step from the raw projections in three Triton launches: q/k norm + RoPE +
+        K/V write (``attention_triton.py``), then paged attention whose merge applies the output
+        gate. The torch path of ``forward`` + ``_decode`` is its reference."""
+        from .attention_triton import decode_qkv_triton
+
+        a = meta.attn_ordinal[self.layer_idx]
+        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
+        n, d = q.shape[0], self.head_dim
+        norm = self.q_norm
+        q_rot = decode_qkv_triton(
+            q, k, v, positions, self.rotary.inv_freq_on(q.device),
+            None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
+            norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
+            meta.write_index, k_pages, v_pages, self.num_heads, 2 * d if self.gated else d)
+        gate = q.view(n, self.num_heads, 2 * d)[:, :, d:] if self.gated else None
+        return paged_decode_attention(q_rot, k_pages, v_pages, meta.block_tables, meta.context_lens,
+                                      self.scale, gate)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence: write K/V into the pool, then paged attention for the batch."""

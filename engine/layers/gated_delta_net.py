@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused_linear import fuse_linears, split_linear
+from .triton_switch import on_triton
 from .gdn_ops import (
     causal_conv1d,
+    causal_conv1d_fla,
     chunk_gated_delta_rule,
     prefill_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -49,7 +51,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if on_triton(x):
             from .norm_triton import gated_rms_norm_triton
 
             return gated_rms_norm_triton(x, z.to(x.dtype), self.weight, self.eps)
@@ -113,7 +115,7 @@ class GatedDeltaNet(nn.Module):
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
         n = hidden.shape[0]
         qkv, z, b, a = self.project(hidden)
-        if batch.decode is not None and hidden.is_cuda:
+        if batch.decode is not None and on_triton(hidden):
             out = self._decode_fused(qkv, a, b, batch.decode)
             out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
             return self.out_proj(out.reshape(n, self.value_dim))
@@ -134,15 +136,19 @@ class GatedDeltaNet(nn.Module):
     def _mix_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache) -> torch.Tensor:
         """Conv + recurrence for one sequence's new tokens; returns ``[T, Hv, V]``."""
         i, t = self.layer_idx, qkv.shape[0]
+        if qkv.is_cuda:  # fla-core: Triton conv, l2 norms inside the chunked kernel
+            mixed, cache.conv_states[i] = causal_conv1d_fla(qkv, self.conv1d.weight, cache.conv_states[i])
+            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            o, cache.recurrent_states[i] = prefill_gated_delta_rule(
+                q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
+                v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, cache.recurrent_states[i], l2norm_qk=True)
+            return o
         mixed, cache.conv_states[i] = causal_conv1d(qkv, self.conv1d.weight, cache.conv_states[i])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim))
         k = l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim))
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        if qkv.is_cuda:
-            rule = prefill_gated_delta_rule
-        else:
-            rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+        rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
         o, cache.recurrent_states[i] = rule(q, k, v, g, beta, cache.recurrent_states[i])
         return o
 

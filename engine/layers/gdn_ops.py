@@ -187,9 +187,11 @@ def recurrent_step_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def prefill_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                             beta: torch.Tensor, state: torch.Tensor | None,
+                             l2norm_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's ``T`` new tokens (shapes as :func:`recurrent_gated_delta_rule`): fla-core's
-    chunked Triton kernel on CUDA."""
+    chunked Triton kernel on CUDA. ``l2norm_qk``: q and k come raw and are l2-normalised inside
+    the kernel (eps 1e-6, as :func:`gated_delta_net.l2norm`)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
@@ -197,5 +199,24 @@ def prefill_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         state = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
     o, final = fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g=g[None].float(),
                          beta=beta[None].float(), scale=dk**-0.5, initial_state=state[None].float().contiguous(),
-                         output_final_state=True)
+                         output_final_state=True, use_qk_l2norm_in_kernel=l2norm_qk)
     return o[0], final[0]
+
+
+def causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor,
+                      conv_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d` with SiLU through fla-core's Triton kernel (CUDA): ``x`` ``[T, C]``
+    (rows may be strided), ``conv_state`` ``[W-1, C]`` -> ``(out [T, C], new_state [W-1, C])``.
+
+    fla keeps a width-``W`` state ``[N, C, W]``, oldest input first; its first column is never
+    read by a width-``W`` conv, so ours maps to its last ``W - 1`` columns."""
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv
+
+    weight = weight.reshape(weight.shape[0], -1)
+    channels, width = weight.shape
+    init = None
+    if conv_state is not None:
+        init = torch.cat([conv_state.new_zeros(1, channels), conv_state.to(x.dtype)]).t()[None].contiguous()
+    out, final = fla_conv(x[None], weight, initial_state=init, output_final_state=True, activation="silu",
+                          backend="triton")
+    return out[0], final[0, :, 1:].t().contiguous()

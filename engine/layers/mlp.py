@@ -25,7 +25,8 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     def fuse_projections(self) -> bool:
-        self._fused = fuse_linears([self.gate_proj, self.up_proj])
+        if self._fused is None:
+            self._fused = fuse_linears([self.gate_proj, self.up_proj])
         return self._fused is not None
 
 

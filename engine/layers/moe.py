@@ -4,7 +4,9 @@ Router ``gate`` ``[E, H]``: fp32 softmax, top-k, renormalised when ``norm_topk_p
 stored fused: ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj``
 ``[E, H, I]``. An optional shared expert is added as ``sigmoid(shared_expert_gate(x)) *
 shared_expert(x)``. Tokens are grouped per expert (sorted by expert id) and only the experts that
-received tokens run.
+received tokens run. With Triton (CUDA) and few tokens (decode), the block runs as one router
+GEMV plus three kernels (``moe_triton.py``), the shared expert folded in as one more assignment
+when its intermediate size equals the experts'.
 
 Checkpoints saved by transformers name experts one by one (``experts.N.gate_proj.weight``, ...);
 :func:`fuse_expert_weights` turns such a stream into the fused names.
@@ -18,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import GatedMLP, silu_mul
+from .fused_linear import fuse_linears
+from .mlp import GatedMLP
+from .triton_switch import on_triton
 
-DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMV path
+DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMV kernels
 
 
 class FusedExperts(nn.Module):
@@ -34,8 +38,6 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, H]``, ``expert_ids``/``weights`` ``[N, k]`` -> weighted sum of expert outputs."""
         n, top_k = expert_ids.shape
-        if x.is_cuda and n * top_k <= DECODE_MAX_ASSIGNMENTS:
-            return self._forward_gemv(x, expert_ids, weights)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
@@ -52,24 +54,6 @@ class FusedExperts(nn.Module):
             out.index_add_(0, rows, y * weight_of[start : start + count, None].to(y.dtype))
             start += count
         return out
-
-    def _forward_gemv(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Few tokens (decode): one grouped GEMV per projection, expert ids read on the device."""
-        n, top_k = expert_ids.shape
-        ids = expert_ids.reshape(-1)
-        rows = x.repeat_interleave(top_k, dim=0)  # [N*k, H]
-        gate, up = grouped_gemv(rows, self.gate_up_proj, ids).split(self.intermediate_size, dim=-1)
-        y = grouped_gemv(silu_mul(gate, up), self.down_proj, ids)  # [N*k, H]
-        return (y.view(n, top_k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
-
-
-def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``out[m] = w[ids[m]] @ x[m]``: ``x`` ``[M, K]``, ``w`` ``[E, N, K]``, ``ids`` ``[M]`` -> ``[M, N]``."""
-    if x.is_cuda:
-        from .moe_triton import grouped_gemv_triton
-
-        return grouped_gemv_triton(x, w, ids)
-    return torch.bmm(w[ids], x[:, :, None])[:, :, 0]
 
 
 class SparseMoeBlock(nn.Module):
@@ -94,6 +78,22 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self._router: torch.Tensor | None = None  # router rows (+ shared gate row), fuse_projections
+        self._shared_folded = False
+
+    def fuse_projections(self) -> bool:
+        """Append the shared expert's gate row to the router, so one GEMV gives both, when the
+        shared expert can ride along the experts' kernels (same intermediate size, no bias)."""
+        shared = self.shared_expert
+        if self._shared_folded:
+            return True
+        if shared is None or shared.down_proj.bias is not None or \
+                shared.down_proj.weight.shape[1] != self.experts.intermediate_size:
+            return False
+        shared.fuse_projections()
+        self._router = fuse_linears([self.gate, self.shared_expert_gate])
+        self._shared_folded = self._router is not None and shared._fused is not None
+        return self._shared_folded
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids ``[N, k]`` and their weights ``[N, k]`` (in ``x``'s dtype)."""
@@ -104,9 +104,27 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if on_triton(x) and x.shape[0] * (self.top_k + 1) <= DECODE_MAX_ASSIGNMENTS:
+            return self._forward_kernels(x)
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+    def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """Few tokens: router GEMV, routing kernel, grouped gate/up, grouped down + weighted sum."""
+        from .moe_triton import moe_down_triton, moe_gate_up_triton, route_triton
+
+        folded = self._shared_folded
+        logits = F.linear(x, self._router if folded else self.gate.weight)
+        ids, weights = route_triton(logits, self.top_k, self.experts.num_experts, self.norm_topk_prob, folded)
+        shared = self.shared_expert if folded else None
+        h = moe_gate_up_triton(x, self.experts.gate_up_proj, None if shared is None else shared._fused, ids)
+        out = moe_down_triton(h, self.experts.down_proj, None if shared is None else shared.down_proj.weight,
+                              ids, weights)
+        if self.shared_expert is not None and not folded:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

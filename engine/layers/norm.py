@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .triton_switch import on_triton
+
 
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * scale`` over the last dimension.
@@ -21,7 +23,16 @@ class RMSNorm(nn.Module):
         init = torch.zeros(dim) if zero_centered else torch.ones(dim)
         self.weight = nn.Parameter(init)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(residual + x), residual + x)`` (one fused
+        pass on the GPU), the pre-norm block's "add the branch, normalise for the next one"."""
+        if residual is not None:
+            if on_triton(x):
+                from .norm_triton import add_rms_norm_triton
+
+                return add_rms_norm_triton(x, residual, self.weight, self.eps, self.zero_centered)
+            residual = residual + x
+            return self.forward(residual), residual
         if x.is_cuda:
             from .norm_triton import rms_norm_triton
 

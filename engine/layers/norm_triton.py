@@ -25,6 +25,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
+                         ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as the unfused add rounds it
+    tl.store(res_out_ptr + row * D + cols, total, mask=mask)
+    total = total.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(total * total, 0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    tl.store(out_ptr + row * D + cols, (total * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -49,6 +67,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), d, eps,
                                          ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(d))
     return out.view(x.shape)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + x`` and its RMSNorm in one pass: returns ``(normed, new_residual)``."""
+    d = x.shape[-1]
+    if residual.shape != x.shape or weight.shape != (d,):
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, residual {tuple(residual.shape)}")
+    x2, r2 = x.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
+    out, res_out = torch.empty_like(x2), torch.empty_like(r2)
+    if x2.shape[0]:
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, d, eps, ZERO_CENTERED=zero_centered,
+                                             BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape), res_out.view(x.shape)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -41,10 +41,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
 
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output ``[B, H, D]``; with ``gate`` ``[B, H, D]`` it is multiplied by ``sigmoid(gate)``."""
     if q.is_cuda:
         from .paged_attention_triton import paged_decode_attention_triton
 
         _check(q, k_pages, v_pages, block_tables, context_lens)
-        return paged_decode_attention_triton(q, k_pages, v_pages, block_tables, context_lens, scale)
-    return paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(q, k_pages, v_pages, block_tables, context_lens, scale, gate)
+    out = paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, scale)
+    return out if gate is None else out * torch.sigmoid(gate)

@@ -2,9 +2,12 @@
 
 Phase 1: one program per (sequence, KV head, split) runs an online softmax over its share of the
 context for all query heads of that KV head at once (GQA group on the M axis of ``tl.dot``) and
-writes partial max / sum / accumulator. Phase 2: one program per (sequence, query head) merges the
-splits. Grid sizes depend only on the batch and the pool's maximum pages per sequence, so a step
-can be captured in a CUDA graph.
+writes partial max / sum / accumulator. Each sequence's context is cut into ``num_splits`` equal
+shares from its length read on the device, and ``num_splits`` is chosen from the batch so that
+about two programs run per SM: a lone 4K-token sequence still spreads over the whole card. Phase
+2: one program per (sequence, query head) merges the splits and, for gated attention (Qwen3.5),
+multiplies by ``sigmoid(gate)``. Grid sizes depend only on the batch and the pool's maximum pages
+per sequence, so a step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -12,19 +15,35 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_TOKENS = 512  # context tokens per program in phase 1
+PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the card, never more splits than blocks."""
+    if device.type != "cuda":  # Triton's interpreter (kernel tests on the CPU)
+        index = -1
+        _SM_COUNT[index] = 4
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[index], batch * kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_tokens, block_n)))
 
 
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                     stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(len_ptr + b)
-    start = s * SPLIT
+    share = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = s * share
+    stop = tl.minimum(start + share, ctx)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     heads = kvh * GROUP + offs_g
@@ -34,7 +53,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     if start < ctx:  # splits past the context only record an empty partial
-        for off in range(start, start + SPLIT, BLOCK_N):
+        for off in range(start, stop, BLOCK_N):
             t = off + tl.arange(0, BLOCK_N)
             tmask = t < ctx
             page = tl.load(bt_ptr + b * stride_bt + t // P, mask=tmask, other=0).to(tl.int64)
@@ -57,7 +76,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
 
 
 @triton.jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_splits, D: tl.constexpr, S_PAD: tl.constexpr):
+def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_gb, stride_gh,
+                   H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr):
     bh = tl.program_id(0)
     offs_s = tl.arange(0, S_PAD)
     smask = offs_s < num_splits
@@ -69,12 +89,16 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_splits, D: tl.constexpr, 
     offs_d = tl.arange(0, D)
     acc = tl.load(acc_ptr + (bh * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / denom
+    if GATED:
+        gate = tl.load(gate_ptr + (bh // H) * stride_gb + (bh % H) * stride_gh + offs_d).to(tl.float32)
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + bh * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+                                  scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``."""
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
@@ -83,19 +107,21 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     block_tables = block_tables.contiguous()
     group = h // hkv
     g_pad = max(16, triton.next_power_of_2(group))
-    max_tokens = block_tables.shape[1] * p
-    split = min(SPLIT_TOKENS, triton.next_power_of_2(max(max_tokens, 16)))
-    num_splits = triton.cdiv(max_tokens, split)
+    block_n = 32 if d >= 256 else 64
+    num_splits = num_splits_for(b, hkv, block_tables.shape[1] * p, block_n, q.device)
     m = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
-    block_n = 32 if d >= 256 else 64
     _partial_kernel[(b, hkv, num_splits)](
         q, k_pages, v_pages, block_tables, context_lens, m, l, acc, scale,
         block_tables.stride(0), num_splits,
-        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, SPLIT=split,
+        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n,
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
-    _reduce_kernel[(b * h,)](m, l, acc, out, num_splits, D=d, S_PAD=triton.next_power_of_2(num_splits))
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for q {tuple(q.shape)}")
+    _reduce_kernel[(b * h,)](m, l, acc, out if gate is None else gate, out, num_splits,
+                             *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d,
+                             S_PAD=triton.next_power_of_2(num_splits), GATED=gate is not None)
     return out

@@ -82,11 +82,16 @@ class RotaryEmbedding(nn.Module):
         return cls(config.head_dim, int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
                    config.rope_scaling, config.max_position_embeddings)
 
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The fp32 inverse frequencies ``[rotary_dim // 2]`` on ``device`` (copied once)."""
+        inv_freq = self._inv_freq_by_device.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device[device] = self.inv_freq.to(device)
+        return inv_freq
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos`` and ``sin``, each ``[N, rotary_dim // 2]``, for ``positions`` ``[N]``."""
-        inv_freq = self._inv_freq_by_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_by_device[positions.device] = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq_on(positions.device)
         angles = positions.float()[:, None] * inv_freq[None, :]
         return angles.cos(), angles.sin()
 

@@ -35,7 +35,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 class HybridDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += mixer(norm(h)); h += mlp(norm(h))``, mixer = GDN or attention."""
+    """Pre-norm block: ``h += mixer(norm(h)); h += mlp(norm(h))``, mixer = GDN or attention.
+    Each residual add is fused with the norm that follows it."""
 
     def __init__(
         self,
@@ -86,10 +87,17 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(hidden, config.intermediate_size, bias=config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(branch output, residual stream)``: the previous layer's MLP output is added to the
+        residual stream here, fused with this layer's first norm; the stack adds the last one."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        hidden = hidden + mixer(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, residual = self.post_attention_layernorm(mixer(hidden, batch), residual)
+        return self.mlp(hidden), residual
 
 
 class HybridDecoderStack(nn.Module):
@@ -106,10 +114,10 @@ class HybridDecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, batch)
+        return self.norm(hidden, residual)[0]
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -1,0 +1,88 @@
+"""Where a decode step and a prefill spend GPU time: per-kernel totals from the torch profiler.
+
+    python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384]
+
+Builds the same random-weight engine as ``bench.decode``, then profiles a few eager decode steps
+(the kernels a CUDA graph replays) and one prefill, printing the top kernels by GPU time with
+their call counts and the share of the total.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .decode import _engine, _requests, _sync
+from .shapes import shape_config
+
+
+def _activities() -> list:
+    return [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+
+
+def _self_us(e) -> float:
+    return e.self_device_time_total if torch.cuda.is_available() else e.self_cpu_time_total
+
+
+def kernel_table(prof, steps: int, top: int) -> str:
+    kind = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind and _self_us(e) + e.self_cpu_time_total > 0]
+    total = sum(_self_us(e) for e in events)
+    events.sort(key=lambda e: _self_us(e), reverse=True)
+    rows = [f"GPU total {total / 1e3 / steps:.3f} ms per run, {sum(e.count for e in events) / steps:.0f} kernels per run",
+            "| us per run | share | calls per run | kernel |", "|---|---|---|---|"]
+    for e in events[:top]:
+        rows.append(f"| {_self_us(e) / steps:.1f} | {100 * _self_us(e) / total:.1f}% | "
+                    f"{e.count / steps:.0f} | {e.key[:110]} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile")
+    p.add_argument("--shape", required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--prefill", type=int, default=0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    cfg = shape_config(args.shape)
+    engine = _engine(cfg, args.batch, args.context, 64, max(args.prefill, 16))
+    reqs = _requests(args.batch, args.context, 256, cfg.vocab_size, "d", engine.config.max_context)
+    for r in reqs:
+        engine.add_request(r)
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the kernels the graph holds
+    for _ in range(2):
+        engine.step()
+    _sync()
+    with profile(activities=_activities()) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        _sync()
+    engine.runner.graphs = graphs
+    print(f"## {args.shape} decode batch {args.batch}, context {args.context} (eager step)")
+    print(kernel_table(prof, args.steps, args.top), flush=True)
+    for r in reqs:
+        engine.abort(r.request_id)
+    if args.prefill:
+        warm, req = (_requests(1, args.prefill, 1, cfg.vocab_size, tag, engine.config.max_context)[0]
+                     for tag in ("w", "p"))
+        engine.add_request(warm)
+        while engine.has_work:
+            engine.step()
+        _sync()
+        with profile(activities=_activities()) as prof:
+            engine.add_request(req)
+            while engine.has_work:
+                engine.step()
+            _sync()
+        print(f"\n## {args.shape} prefill {args.prefill}")
+        print(kernel_table(prof, 1, args.top), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
