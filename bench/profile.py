@@ -38,6 +38,22 @@ def kernel_table(prof, steps: int, top: int) -> str:
     return "\n".join(rows)
 
 
+def host_profile(engine, steps: int, top: int) -> None:
+    """Python time of whole engine steps (CUDA-graph replays), by function."""
+    import cProfile
+    import pstats
+
+    _sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    prof.disable()
+    print(f"\n## host side of {steps} decode steps (cProfile, by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile")
     p.add_argument("--shape", required=True)
@@ -46,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=0)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--host", action="store_true", help="also profile the host side of graph-replayed steps")
     args = p.parse_args(argv)
     cfg = shape_config(args.shape)
     engine = _engine(cfg, args.batch, args.context, 64, max(args.prefill, 16))
@@ -65,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.runner.graphs = graphs
     print(f"## {args.shape} decode batch {args.batch}, context {args.context} (eager step)")
     print(kernel_table(prof, args.steps, args.top), flush=True)
+    if args.host:
+        host_profile(engine, 50, args.top)
     for r in reqs:
         engine.abort(r.request_id)
     if args.prefill:

@@ -58,12 +58,9 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, strid
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < I
     e = tl.load(ids_ptr + a).to(tl.int64)
-    if e == E:
-        base = shared_ptr + rows.to(tl.int64)[:, None] * stride_sn
-        up_off = I * stride_sn
-    else:
-        base = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-        up_off = I * stride_wn
+    r64 = rows.to(tl.int64)[:, None]
+    base = tl.where(e == E, shared_ptr + r64 * stride_sn, w_ptr + e * stride_we + r64 * stride_wn)
+    up_off = tl.where(e == E, I * stride_sn, I * stride_wn)
     x_row = x_ptr + (a // SLOTS) * HID
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -81,26 +78,28 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, strid
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, wts_ptr, out_ptr, HID, I, E, stride_we, stride_wn, stride_sn,
-                 SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SLOTS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rmask = rows < HID
+    slot = tl.arange(0, S_PAD)
+    # every slot's expert id and weight up front: the unrolled loop below has no dependent loads
+    ids = tl.load(ids_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0).to(tl.int64)
+    wts = tl.load(wts_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0.0)
     total = tl.zeros([BLOCK_N], tl.float32)
     for j in tl.static_range(SLOTS):
-        a = t * SLOTS + j
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        if e == E:
-            base = shared_ptr + rows.to(tl.int64)[:, None] * stride_sn
-        else:
-            base = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+        e = tl.sum(tl.where(slot == j, ids, 0), 0)
+        wt = tl.sum(tl.where(slot == j, wts, 0.0), 0)
+        expert = w_ptr + e * stride_we + rows[:, None] * stride_wn
+        base = tl.where(e == E, shared_ptr + rows[:, None] * stride_sn, expert)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < I
-            h = tl.load(h_ptr + a * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            h = tl.load(h_ptr + (t * SLOTS + j) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             acc += tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32) * h
         y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
-        total += tl.load(wts_ptr + a) * y
+        total += wt * y
     tl.store(out_ptr + t * HID + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -157,9 +156,10 @@ def moe_down_triton(h: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | Non
         raise ValueError(f"moe down: h {tuple(h.shape)}, w {tuple(w.shape)}, ids {tuple(ids.shape)}")
     shared_w, stride_s = _shared_or(w, shared)
     out = torch.empty((n, hid), dtype=h.dtype, device=h.device)
-    block_n = 8
+    block_n = 4
     if n:
         _down_kernel[(n, triton.cdiv(hid, block_n))](
             h.contiguous(), w, shared_w, ids, wts, out, hid, inter, e, w.stride(0), w.stride(1), stride_s,
-            SLOTS=slots, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(inter)), num_warps=4)
+            SLOTS=slots, S_PAD=triton.next_power_of_2(slots), BLOCK_N=block_n,
+            BLOCK_K=min(512, triton.next_power_of_2(inter)), num_warps=4)
     return out

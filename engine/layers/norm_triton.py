@@ -55,6 +55,11 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.const
     tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _warps(block: int) -> int:
+    """Warps per row program: a lone decode row is latency bound, so spread it over more loads."""
+    return max(4, min(16, block // 512))
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -65,7 +70,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), d, eps,
-                                         ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(d))
+                                         ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(d),
+                                         num_warps=_warps(triton.next_power_of_2(d)))
     return out.view(x.shape)
 
 
@@ -78,8 +84,9 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     x2, r2 = x.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
     out, res_out = torch.empty_like(x2), torch.empty_like(r2)
     if x2.shape[0]:
+        block = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, d, eps, ZERO_CENTERED=zero_centered,
-                                             BLOCK=triton.next_power_of_2(d))
+                                             BLOCK=block, num_warps=_warps(block))
     return out.view(x.shape), res_out.view(x.shape)
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
+MAX_SPLITS = 64
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -23,13 +24,13 @@ def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, dev
     """Splits per sequence: enough programs to fill the card, never more splits than blocks."""
     if device.type != "cuda":  # Triton's interpreter (kernel tests on the CPU)
         index = -1
-        _SM_COUNT[index] = 4
+        _SM_COUNT.setdefault(index, 4)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     wanted = triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[index], batch * kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_tokens, block_n)))
+    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_tokens, block_n)))
 
 
 @triton.jit
@@ -77,7 +78,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
 
 @triton.jit
 def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_gb, stride_gh,
-                   H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr):
+                   H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, S_BLOCK: tl.constexpr,
+                   GATED: tl.constexpr):
     bh = tl.program_id(0)
     offs_s = tl.arange(0, S_PAD)
     smask = offs_s < num_splits
@@ -87,8 +89,16 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
     denom = tl.sum(w * l, 0)
     offs_d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (bh * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / denom
+    out = tl.zeros([D], tl.float32)
+    for s0 in tl.static_range(0, S_PAD, S_BLOCK):  # a few splits at a time: bounded registers
+        offs = s0 + tl.arange(0, S_BLOCK)
+        mask = offs < num_splits
+        m_s = tl.load(m_ptr + bh * num_splits + offs, mask=mask, other=float("-inf"))
+        w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
+        acc = tl.load(acc_ptr + (bh * num_splits + offs)[:, None] * D + offs_d[None, :], mask=mask[:, None],
+                      other=0.0)
+        out += tl.sum(acc * w_s[:, None], 0)
+    out = out / denom
     if GATED:
         gate = tl.load(gate_ptr + (bh // H) * stride_gb + (bh % H) * stride_gh + offs_d).to(tl.float32)
         out = out.to(out_ptr.dtype.element_ty).to(tl.float32) / (1.0 + tl.exp(-gate))
@@ -123,5 +133,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
         raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for q {tuple(q.shape)}")
     _reduce_kernel[(b * h,)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d,
-                             S_PAD=triton.next_power_of_2(num_splits), GATED=gate is not None)
+                             S_PAD=triton.next_power_of_2(num_splits),
+                             S_BLOCK=min(8, triton.next_power_of_2(num_splits)), GATED=gate is not None)
     return out
