@@ -3,4 +3,9 @@
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 ninfer_setup test
 cd "$NINFER_ROOT"
-exec "$NINFER_VENV/bin/python" -m pytest tests "$@"
+status=0
+"$NINFER_VENV/bin/python" -m pytest tests "$@" || status=$?
+if [ $# -eq 0 ]; then  # the whole suite: then the Triton kernels under Triton's CPU interpreter
+    TRITON_INTERPRET=1 "$NINFER_VENV/bin/python" -m pytest tests/interp || status=$?
+fi
+exit "$status"

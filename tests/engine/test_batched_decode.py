@@ -5,39 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.engine.engine import LLMEngine
-from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
 from ninfer.engine.layers.attention import causal_attention
-from ninfer.engine.loader import load_checkpoint, load_model
-from ninfer.engine.request import Request
-from ninfer.engine.sampling_params import SamplingParams
-from support.tiny import save_tiny_llama, save_tiny_qwen3_5
-
-BUILDERS = {"llama": save_tiny_llama, "qwen3_5": save_tiny_qwen3_5,
-            "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True)}
+from support.decode_paths import BUILDERS, load_parts, run
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def parts(request, tmp_path_factory):
-    ckpt = load_checkpoint(BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "ckpt"))
-    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
-
-
-def run(parts, batched: bool) -> dict[str, list[int]]:
-    model, tok = parts
-    engine = LLMEngine(model, tok, EngineConfig(max_context=128, max_concurrency=4, prefill_chunk=32,
-                                                kv_capacity=1024, page_size=8))
-    engine.runner.batched_decode = batched
-    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 3)
-    reqs = [Request(f"r{i}", ids[i : 5 + 11 * i], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
-                    max_total_tokens=128) for i in range(4)]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work:
-        engine.step()
-    assert engine.caches.idle()
-    return {r.request_id: r.output_ids for r in reqs}
+    return load_parts(request.param, tmp_path_factory)
 
 
 def test_batched_decode_matches_per_sequence_path(parts):

@@ -4,12 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.kernel_cases import check_attention_decode, check_gdn_decode, check_moe_block, rel_err
+
 pytestmark = pytest.mark.gpu
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -131,97 +128,19 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
 
 
 def test_fused_gdn_decode_vs_torch_path():
-    """conv_step + recurrent_step (in place on the pools) against the layer's torch decode path."""
-    from types import SimpleNamespace
-
-    from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
-
-    layer = GatedDeltaNet(0, 256, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.5)
-    layer = layer.cuda()
-    b, slots = 5, 9
-    conv = torch.randn(1, slots, 3, layer.conv_dim, device="cuda", dtype=torch.bfloat16)
-    rec = torch.randn(1, slots, 8, 128, 128, device="cuda") * 0.1
-    slot_ids = torch.tensor([7, 2, 0, 5, 3], device="cuda")
-    qkv = torch.randn(b, layer.conv_dim, device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(b, 8, device="cuda", dtype=torch.bfloat16)
-    bb = torch.randn(b, 8, device="cuda", dtype=torch.bfloat16)
-
-    def meta(c, r):
-        return SimpleNamespace(gdn_ordinal={0: 0}, states=SimpleNamespace(conv=c, recurrent=r), slot_ids=slot_ids)
-
-    conv_ref, rec_ref = conv.clone(), rec.clone()
-    out = layer._decode_fused(qkv, a, bb, meta(conv, rec))
-    beta = torch.sigmoid(bb.float())
-    g = -torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
-    ref = layer._decode(qkv, g, beta, meta(conv_ref, rec_ref))
-    assert rel_err(out, ref) < 2e-2
-    assert rel_err(rec[0, slot_ids], rec_ref[0, slot_ids]) < 1e-3
-    torch.testing.assert_close(conv[0, slot_ids].float(), conv_ref[0, slot_ids].float())
-    untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
-    torch.testing.assert_close(rec[0, untouched], rec_ref[0, untouched])
-
+    check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=4, v_heads=8, head_dim=128)
 
 
 @pytest.mark.parametrize("shared", [512, 384, 0])
 @pytest.mark.parametrize("tokens", [1, 5, 56])
 def test_moe_block_kernels_vs_torch(shared, tokens, monkeypatch):
-    """Routing + grouped gate/up + grouped down (shared expert folded in when sizes match)."""
-    from ninfer.engine.layers import moe
-    from ninfer.engine.layers.moe import SparseMoeBlock
-
-    block = SparseMoeBlock(2048, 256, 8, 512, shared, True).cuda().to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.02)
-    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
-    with monkeypatch.context() as m:
-        m.setattr(moe, "on_triton", lambda t: False)
-        ref = block(x)
-        assert block.fuse_projections() == (shared == 512)
-        ref_fused = block(x)
-    assert torch.equal(ref, ref_fused)  # fusing the router rows changes nothing on the torch path
-    assert rel_err(block(x), ref) < 2e-2
+    check_moe_block(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
+                    shared=shared)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
 def test_fused_attention_decode_vs_torch_path(kind, monkeypatch):
-    """q/k norm + RoPE + K/V write kernel and the gated merge against the module's torch path."""
-    from types import SimpleNamespace
-
-    from ninfer.engine.layers import attention
-    from ninfer.engine.layers.attention import Attention
-    from ninfer.engine.layers.rotary import RotaryEmbedding
-    from ninfer.engine.models.base import ForwardBatch
-
-    qwen = kind == "qwen3_5"
-    h, hkv, d = (24, 4, 256) if qwen else (32, 8, 128)
-    rotary = RotaryEmbedding(d, 64 if qwen else d, 1e7 if qwen else 5e5)
-    attn = Attention(0, 1024, h, hkv, d, rotary, qk_norm="zero_centered" if qwen else None, gated=qwen)
-    attn = attn.cuda().to(torch.bfloat16)
-    for p in attn.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.05)
-    attn.fuse_projections()
-    b, pages, page = 3, 64, 16
-    kv = [torch.randn(pages, page, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    lens = torch.tensor([5, 300, 77], dtype=torch.int32, device="cuda")
-    tables = torch.stack([torch.randperm(pages, device="cuda")[:20] for _ in range(b)]).int()
-    write = (tables.long()[torch.arange(b), (lens.long() - 1) // page] * page + (lens.long() - 1) % page)
-    positions = lens.long() - 1 + torch.tensor([0, 1000, 50000], device="cuda")
-    hidden = torch.randn(b, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def run(fused: bool):
-        pools = [t.clone() for t in kv]
-        meta = SimpleNamespace(attn_ordinal={0: 0}, kv=SimpleNamespace(keys=[pools[0]], values=[pools[1]]),
-                               write_index=write, block_tables=tables, context_lens=lens)
-        batch = ForwardBatch(positions=positions, seq_lens=[1] * b, caches=[], decode=meta)
-        with monkeypatch.context() as m:
-            m.setattr(attention, "on_triton", lambda t: fused)
-            return attn(hidden, batch), pools
-
-    out, (k_new, v_new) = run(True)
-    ref, (k_ref, v_ref) = run(False)
-    assert rel_err(out, ref) < 2e-2
-    assert rel_err(k_new, k_ref) < 1e-2 and torch.equal(v_new, v_ref)
-    assert not torch.equal(k_new, kv[0])  # the step wrote its keys
+    if kind == "qwen3_5":
+        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, True, 1024, 24, 4, 256, 64)
+    else:
+        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, False, 1024, 32, 8, 128, 128)

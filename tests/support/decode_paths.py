@@ -1,0 +1,39 @@
+"""The batched decode path (one forward over the pools, as CUDA graphs run it) and the
+per-sequence path, run on the same tiny checkpoints and prompts."""
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.engine import LLMEngine
+from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.loader import load_checkpoint, load_model
+from ninfer.engine.request import Request
+from ninfer.engine.sampling_params import SamplingParams
+from support.tiny import save_tiny_llama, save_tiny_qwen3_5
+
+BUILDERS = {"llama": save_tiny_llama, "qwen3_5": save_tiny_qwen3_5,
+            "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True)}
+
+
+def load_parts(name: str, tmp_path_factory):
+    """(model, tokenizer) of a tiny checkpoint, fp32 on the CPU."""
+    ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
+    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+
+
+def run(parts, batched: bool, requests: int = 4, max_tokens: int = 14) -> dict[str, list[int]]:
+    """Greedy outputs of ``requests`` prompts of different lengths decoded together."""
+    model, tok = parts
+    engine = LLMEngine(model, tok, EngineConfig(max_context=128, max_concurrency=4, prefill_chunk=32,
+                                                kv_capacity=1024, page_size=8))
+    engine.runner.batched_decode = batched
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 3)
+    reqs = [Request(f"r{i}", ids[i : 5 + 11 * i], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                  ignore_eos=True),
+                    max_total_tokens=128) for i in range(requests)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work:
+        engine.step()
+    assert engine.caches.idle()
+    return {r.request_id: r.output_ids for r in reqs}
