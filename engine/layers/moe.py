@@ -4,9 +4,11 @@ Router ``gate`` ``[E, H]``: fp32 softmax, top-k, renormalised when ``norm_topk_p
 stored fused: ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj``
 ``[E, H, I]``. An optional shared expert is added as ``sigmoid(shared_expert_gate(x)) *
 shared_expert(x)``. Tokens are grouped per expert (sorted by expert id) and only the experts that
-received tokens run. With Triton (CUDA) and few tokens (decode), the block runs as one router
-GEMV plus three kernels (``moe_triton.py``), the shared expert folded in as one more assignment
-when its intermediate size equals the experts'.
+received tokens run (the CPU path). With Triton (CUDA) the block runs as a router GEMM, a
+routing kernel and the experts as grouped GEMVs for few tokens (``moe_triton.py``, decode) or a
+grouped GEMM over assignments sorted by expert on the device (``moe_gemm_triton.py``, prefill),
+the shared expert folded in as one more assignment when its intermediate size equals the
+experts'.
 
 Checkpoints saved by transformers name experts one by one (``experts.N.gate_proj.weight``, ...);
 :func:`fuse_expert_weights` turns such a stream into the fused names.
@@ -24,7 +26,7 @@ from .fused_linear import fuse_linears
 from .mlp import GatedMLP
 from .triton_switch import on_triton
 
-DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMV kernels
+DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMVs, more the GEMM
 
 
 class FusedExperts(nn.Module):
@@ -104,7 +106,7 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_triton(x) and x.shape[0] * (self.top_k + 1) <= DECODE_MAX_ASSIGNMENTS:
+        if on_triton(x):
             return self._forward_kernels(x)
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)
@@ -114,16 +116,24 @@ class SparseMoeBlock(nn.Module):
 
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """Few tokens: router GEMV, routing kernel, grouped gate/up, grouped down + weighted sum."""
+        """Router GEMM and routing kernel, then the experts as grouped GEMVs (few tokens: decode)
+        or as a grouped GEMM over assignments sorted by expert (prefill)."""
+        from .moe_gemm_triton import moe_grouped_gemm
         from .moe_triton import moe_down_triton, moe_gate_up_triton, route_triton
 
         folded = self._shared_folded
         logits = F.linear(x, self._router if folded else self.gate.weight)
         ids, weights = route_triton(logits, self.top_k, self.experts.num_experts, self.norm_topk_prob, folded)
         shared = self.shared_expert if folded else None
-        h = moe_gate_up_triton(x, self.experts.gate_up_proj, None if shared is None else shared._fused, ids)
-        out = moe_down_triton(h, self.experts.down_proj, None if shared is None else shared.down_proj.weight,
-                              ids, weights)
+        shared_gate_up = None if shared is None else shared._fused
+        shared_down = None if shared is None else shared.down_proj.weight
+        experts = self.experts
+        if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
+            h = moe_gate_up_triton(x, experts.gate_up_proj, shared_gate_up, ids)
+            out = moe_down_triton(h, experts.down_proj, shared_down, ids, weights)
+        else:
+            out = moe_grouped_gemm(x, experts.gate_up_proj, experts.down_proj, ids, weights, shared_gate_up,
+                                   shared_down)
         if self.shared_expert is not None and not folded:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -132,7 +132,7 @@ def test_fused_gdn_decode_vs_torch_path():
 
 
 @pytest.mark.parametrize("shared", [512, 384, 0])
-@pytest.mark.parametrize("tokens", [1, 5, 56])
+@pytest.mark.parametrize("tokens", [1, 5, 56, 700])  # 700 tokens: the grouped GEMM
 def test_moe_block_kernels_vs_torch(shared, tokens, monkeypatch):
     check_moe_block(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
                     shared=shared)

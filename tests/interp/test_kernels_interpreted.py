@@ -61,10 +61,13 @@ def test_gdn_decode():
 
 
 @pytest.mark.parametrize("shared", [32, 48, 0])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_moe_block(tokens, shared, monkeypatch):
+@pytest.mark.parametrize("tokens, gemv_limit", [(1, None), (3, None), (30, 8)])  # 30 tokens: grouped GEMM
+def test_moe_block(tokens, gemv_limit, shared, monkeypatch):
+    from ninfer.engine.layers import moe_gemm_triton
+
+    monkeypatch.setattr(moe_gemm_triton, "CHUNK_TOKENS", 16)  # 30 tokens: two launches
     check_moe_block(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=16, top_k=4, inter=32,
-                    shared=shared)
+                    shared=shared, gemv_limit=gemv_limit)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -74,7 +77,7 @@ def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, mon
     from ninfer.engine.layers import moe
 
     parts = load_parts(name, tmp_path_factory)
-    # decode steps (3 tokens) take the MoE kernels; prefills keep the sorted torch path, which
-    # the interpreter would run thousands of programs for
+    # decode steps (3 tokens) take the grouped GEMVs, prefills the grouped GEMM (under the
+    # interpreter the GEMVs would run thousands of programs for a prefill)
     monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 3 * (parts[0].config.num_experts_per_tok + 1))
     assert run(parts, True, requests=3, max_tokens=5) == run(parts, False, requests=3, max_tokens=5)

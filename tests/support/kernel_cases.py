@@ -94,10 +94,14 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
 
 
 def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
-                    top_k: int, inter: int, shared: int) -> None:
-    """Routing + grouped gate/up + grouped down (shared expert folded in when sizes match)."""
+                    top_k: int, inter: int, shared: int, gemv_limit: int | None = None) -> None:
+    """Routing, then grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or
+    ``gemv_limit``) or the sorted grouped GEMM, the shared expert folded in when sizes match."""
     from ninfer.engine.layers import moe
     from ninfer.engine.layers.moe import SparseMoeBlock
+
+    if gemv_limit is not None:
+        monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", gemv_limit)
 
     block = SparseMoeBlock(hidden, experts, top_k, inter, shared, True).to(device=device, dtype=dtype)
     _randomize(block, 0.02 if dtype == torch.bfloat16 else 0.2)
