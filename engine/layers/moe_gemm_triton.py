@@ -20,8 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_triton import expert_rows, shared_or
+
 BLOCK_M = 64
 CHUNK_TOKENS = 4096  # tokens per launch pair: bounds the [tokens * k, H] intermediate of a long prefill
+
+
+@triton.jit
+def _block_rows(rows_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """The assignments of block ``pid_m`` (clamped to 0 on padding rows) and which rows are real."""
+    assign = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = assign >= 0
+    return tl.where(valid, assign, 0).to(tl.int64), valid
 
 
 @triton.jit
@@ -31,13 +41,11 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
-        assign = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = assign >= 0
-        token = tl.where(valid, assign // TOP_K, 0).to(tl.int64)
+        assign, valid = _block_rows(rows_ptr, pid_m, BLOCK_M)
+        token = assign // TOP_K
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
-        c64 = cols.to(tl.int64)[None, :]
-        w_col = tl.where(e == SHARED, shared_ptr + c64 * stride_sn, w_ptr + e * stride_we + c64 * stride_wn)
+        w_col = expert_rows(w_ptr, shared_ptr, e, SHARED, cols, stride_we, stride_wn, stride_sn)[None, :]
         up_off = tl.where(e == SHARED, I * stride_sn, I * stride_wn)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -53,7 +61,7 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr
         g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like the unfused GEMM
         u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
-        dest = out_ptr + tl.where(valid, assign, 0).to(tl.int64)[:, None] * I + cols[None, :]
+        dest = out_ptr + assign[:, None] * I + cols[None, :]
         tl.store(dest, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
@@ -65,13 +73,10 @@ def _grouped_down_kernel(h_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, w
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
-        assign = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = assign >= 0
-        a_row = tl.where(valid, assign, 0).to(tl.int64)
+        a_row, valid = _block_rows(rows_ptr, pid_m, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < HID
-        c64 = cols.to(tl.int64)[None, :]
-        w_col = tl.where(e == SHARED, shared_ptr + c64 * stride_sn, w_ptr + e * stride_we + c64 * stride_wn)
+        w_col = expert_rows(w_ptr, shared_ptr, e, SHARED, cols, stride_we, stride_wn, stride_sn)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -106,14 +111,6 @@ def sort_by_expert(ids: torch.Tensor, num_ids: int, block_m: int = BLOCK_M) -> t
     return rows, block_expert
 
 
-def _shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    if shared is None:
-        return w, 0
-    if shared.shape != w.shape[1:] or shared.stride(1) != 1:
-        raise ValueError(f"moe: shared expert weight {tuple(shared.shape)} vs experts {tuple(w.shape)}")
-    return shared, shared.stride(0)
-
-
 def moe_grouped_gemm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                      wts: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
                      shared_down: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,8 +128,8 @@ def moe_grouped_gemm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           for i in range(0, n, CHUNK_TOKENS)])
     num_ids = e + int(shared_gate_up is not None)
     rows, block_expert = sort_by_expert(ids, num_ids)
-    sg, stride_sg = _shared_or(gate_up, shared_gate_up)
-    sd, stride_sd = _shared_or(down, shared_down)
+    sg, stride_sg = shared_or(gate_up, shared_gate_up)
+    sd, stride_sd = shared_or(down, shared_down)
     x = x.contiguous()
     h = torch.empty((n * slots, inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()

@@ -23,6 +23,14 @@ import triton.language as tl
 
 
 @triton.jit
+def expert_rows(w_ptr, shared_ptr, e, shared_id, rows, stride_we, stride_wn, stride_sn):
+    """Pointers to weight rows ``rows`` of expert ``e``, or of the shared expert when ``e`` is
+    ``shared_id`` (its own ``[rows, K]`` tensor)."""
+    r64 = rows.to(tl.int64)
+    return tl.where(e == shared_id, shared_ptr + r64 * stride_sn, w_ptr + e * stride_we + r64 * stride_wn)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l,
                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   NORM_TOPK: tl.constexpr, SHARED: tl.constexpr):
@@ -58,8 +66,7 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, strid
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < I
     e = tl.load(ids_ptr + a).to(tl.int64)
-    r64 = rows.to(tl.int64)[:, None]
-    base = tl.where(e == E, shared_ptr + r64 * stride_sn, w_ptr + e * stride_we + r64 * stride_wn)
+    base = expert_rows(w_ptr, shared_ptr, e, E, rows, stride_we, stride_wn, stride_sn)[:, None]
     up_off = tl.where(e == E, I * stride_sn, I * stride_wn)
     x_row = x_ptr + (a // SLOTS) * HID
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -90,8 +97,7 @@ def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, wts_ptr, out_ptr, HID, I, E,
     for j in tl.static_range(SLOTS):
         e = tl.sum(tl.where(slot == j, ids, 0), 0)
         wt = tl.sum(tl.where(slot == j, wts, 0.0), 0)
-        expert = w_ptr + e * stride_we + rows[:, None] * stride_wn
-        base = tl.where(e == E, shared_ptr + rows[:, None] * stride_sn, expert)
+        base = expert_rows(w_ptr, shared_ptr, e, E, rows, stride_we, stride_wn, stride_sn)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -119,7 +125,7 @@ def route_triton(logits: torch.Tensor, top_k: int, num_experts: int, norm_topk_p
     return ids, wts
 
 
-def _shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     if shared is None:
         return w, 0
     if shared.shape != w.shape[1:] or shared.stride(1) != 1:
@@ -136,7 +142,7 @@ def moe_gate_up_triton(x: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | 
     if hid != hid2 or w.stride(2) != 1 or ids.shape[0] != n:
         raise ValueError(f"moe gate_up: x {tuple(x.shape)}, w {tuple(w.shape)}, ids {tuple(ids.shape)}")
     inter, slots = two_i // 2, ids.shape[1]
-    shared_w, stride_s = _shared_or(w, shared)
+    shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n * slots, inter), dtype=x.dtype, device=x.device)
     block_n = 8
     if n:
@@ -154,7 +160,7 @@ def moe_down_triton(h: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | Non
     e, hid, inter = w.shape
     if h.shape != (n * slots, inter) or w.stride(2) != 1 or wts.shape != ids.shape:
         raise ValueError(f"moe down: h {tuple(h.shape)}, w {tuple(w.shape)}, ids {tuple(ids.shape)}")
-    shared_w, stride_s = _shared_or(w, shared)
+    shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n, hid), dtype=h.dtype, device=h.device)
     block_n = 4
     if n:
