@@ -37,7 +37,8 @@ def _block_rows(rows_ptr, pid_m, BLOCK_M: tl.constexpr):
 @triton.jit
 def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, out_ptr, I, HID, LAST, SHARED,
                             stride_we, stride_wn, stride_sn, TOP_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
@@ -56,8 +57,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr
             bmask = kmask[:, None] & cmask[None, :]
             bg = tl.load(w_col + ks[:, None], mask=bmask, other=0.0)
             bu = tl.load(w_col + up_off + ks[:, None], mask=bmask, other=0.0)
-            acc_g += tl.dot(a, bg)
-            acc_u += tl.dot(a, bu)
+            acc_g += tl.dot(a, bg, input_precision=PRECISION)
+            acc_u += tl.dot(a, bu, input_precision=PRECISION)
         g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like the unfused GEMM
         u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
@@ -69,7 +70,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr
 def _grouped_down_kernel(h_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, wts_ptr, out_ptr, HID, I, LAST,
                          SHARED,
                          stride_we, stride_wn, stride_sn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
@@ -83,7 +85,7 @@ def _grouped_down_kernel(h_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, w
             kmask = ks < I
             a = tl.load(h_ptr + a_row[:, None] * I + ks[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_col + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc += tl.dot(a, b)
+            acc += tl.dot(a, b, input_precision=PRECISION)
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         wt = tl.load(wts_ptr + a_row, mask=valid, other=0.0)
         tl.store(out_ptr + a_row[:, None] * HID + cols[None, :], (y * wt[:, None]).to(out_ptr.dtype.element_ty),
@@ -97,7 +99,9 @@ def sort_by_expert(ids: torch.Tensor, num_ids: int, block_m: int = BLOCK_M) -> t
     flat = ids.reshape(-1).long()
     total = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_ids)
+    # scatter_add_ rather than bincount, which reads the largest id back to the host: the layout
+    # must be computable inside a CUDA graph (decode batches past DECODE_MAX_ASSIGNMENTS land here)
+    counts = torch.zeros(num_ids, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     run_start = torch.cumsum(counts, 0) - counts
@@ -134,14 +138,16 @@ def moe_grouped_gemm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     h = torch.empty((n * slots, inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
     block_n, block_k = 64, 64
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
     shared_id = e if shared_gate_up is not None else -1
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, sg, rows, block_expert, h, inter, hid, num_ids - 1, shared_id, gate_up.stride(0),
         gate_up.stride(1), stride_sg,
-        TOP_K=slots, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        TOP_K=slots, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
+        num_stages=3)
     y = torch.empty((n * slots, hid), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(blocks, triton.cdiv(hid, block_n))](
         h, down, sd, rows, block_expert, wts.reshape(-1).float().contiguous(), y, hid, inter, num_ids - 1,
         shared_id, down.stride(0), down.stride(1), stride_sd, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=3)
+        PRECISION=precision, num_warps=4, num_stages=3)
     return y.view(n, slots, hid).sum(dim=1)
