@@ -1,6 +1,6 @@
 """Triton grouped GEMM for MoE prefill: token assignments sorted by expert, one tile one expert.
 
-For more (token, expert) assignments than the decode GEMVs suit, the assignments are sorted by
+For more (token, expert) assignments than the decode GEMVs suit, the assignments are grouped by
 expert on the device and laid out in ``BLOCK_M``-row blocks, each expert's run padded to a whole
 number of blocks (rows of padding hold -1). Every block then belongs to one expert, and two
 kernels run over all blocks at once, with no host sync and no loop over experts:
@@ -95,21 +95,23 @@ def _grouped_down_kernel(h_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, w
 def sort_by_expert(ids: torch.Tensor, num_ids: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """Assignment ``a`` (``ids.reshape(-1)[a]`` its expert) laid out per expert in blocks of
     ``block_m`` rows: ``rows`` (assignment per row, -1 for padding) and ``block_expert`` (the
-    expert of each block; ``num_ids`` past the last run). All on the device, no host sync."""
+    expert of each block; ``num_ids`` past the last run).
+
+    Only fixed-shape device ops (a one-hot count and its running sum rather than a sort or
+    ``bincount``), so nothing reads back to the host and a CUDA graph can capture it: decode
+    batches past ``DECODE_MAX_ASSIGNMENTS`` land here. Within an expert, assignments keep their
+    order."""
     flat = ids.reshape(-1).long()
     total = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    # scatter_add_ rather than bincount, which reads the largest id back to the host: the layout
-    # must be computable inside a CUDA graph (decode batches past DECODE_MAX_ASSIGNMENTS land here)
-    counts = torch.zeros(num_ids, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    onehot = torch.zeros(total, num_ids, dtype=torch.int32, device=flat.device).scatter_(1, flat[:, None], 1)
+    counts = onehot.sum(0)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1  # place within its expert
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
-    run_start = torch.cumsum(counts, 0) - counts
-    sorted_ids = flat[order]
-    dest = (pad_end - padded)[sorted_ids] + torch.arange(total, device=flat.device) - run_start[sorted_ids]
+    dest = (pad_end - padded)[flat] + rank
     num_blocks = triton.cdiv(total + num_ids * (block_m - 1), block_m)
     rows = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=flat.device)
-    rows[dest] = order.to(torch.int32)
+    rows[dest] = torch.arange(total, dtype=torch.int32, device=flat.device)
     starts = torch.arange(num_blocks, device=flat.device) * block_m
     block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
     return rows, block_expert
