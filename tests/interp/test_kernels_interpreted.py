@@ -81,3 +81,23 @@ def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, mon
     # interpreter the GEMVs would run thousands of programs for a prefill)
     monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 3 * (parts[0].config.num_experts_per_tok + 1))
     assert run(parts, True, requests=3, max_tokens=5) == run(parts, False, requests=3, max_tokens=5)
+
+
+def test_assignments_grouped_by_expert_in_whole_blocks():
+    from ninfer.engine.layers.moe_gemm_triton import sort_by_expert
+
+    ids = torch.randint(0, 7, (50, 3))
+    rows, block_expert = sort_by_expert(ids, 8, block_m=16)
+    flat = ids.reshape(-1)
+    blocks = rows.view(-1, 16)
+    seen = []
+    for block, expert in zip(blocks.tolist(), block_expert.tolist()):
+        real = [a for a in block if a >= 0]
+        if expert >= 8:  # past the last run: padding only
+            assert not real
+            continue
+        assert real and all(flat[a] == expert for a in real) and real == sorted(real)
+        assert block[: len(real)] == real  # padding only at the end of an expert's last block
+        seen += real
+    assert sorted(seen) == list(range(flat.numel()))  # every assignment exactly once
+    assert block_expert.tolist() == sorted(block_expert.tolist())
