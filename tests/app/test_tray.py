@@ -74,7 +74,8 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
         docked = host.stdout.readline().split()
         assert docked[0] == "docked", docked
         x, y = docked[3], docked[4]
-        wait_until(lambda: healthy(f"http://127.0.0.1:{port}/health"), what="the stand-in server")
+        # generous: on a loaded 2-core CI machine the tray's start-up (plan, supervisor, child) can be slow
+        wait_until(lambda: healthy(f"http://127.0.0.1:{port}/health"), timeout=60.0, what="the stand-in server")
         time.sleep(0.5)  # the icon turns green
 
         xdotool(env, "mousemove", x, y, "click", "1")
