@@ -13,10 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
-from ..openai_common import FunctionTool, callable_tools, function_tool, normalize_stops, unique_names
-
-CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                       "guided_grammar", "guided_decoding_backend", "json_schema")
+from ..openai_common import (FunctionTool, callable_tools, function_tool, normalize_stops,
+                             reject_unsupported_sampling, unique_names)
 
 
 class ContentPart(BaseModel):
@@ -132,20 +130,9 @@ class ChatCompletionRequest(BaseModel):
     # ------------------------------------------------------------------ checks
     def reject_unsupported(self) -> None:
         """400 for every field that asks for behaviour this server cannot provide."""
-        if self.n not in (None, 1):
-            raise unsupported("n", "one choice per request (n > 1 is not supported)")
-        if self.logprobs:
-            raise unsupported("logprobs", "log probabilities are not available yet")
+        reject_unsupported_sampling(self)
         if self.top_logprobs:
             raise unsupported("top_logprobs", "log probabilities are not available yet")
-        if self.logit_bias and any(v != 0 for v in self.logit_bias.values()):
-            raise unsupported("logit_bias", "logit bias is not applied by this server")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output (JSON mode or schema) needs constrained "
-                              "decoding; only {'type': 'text'}")
-        for name in CONSTRAINED_ALIASES:
-            if getattr(self, name) is not None:
-                raise unsupported(name, "constrained decoding is not available")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", "text output only")
         if self.verbosity not in (None, "medium"):
@@ -156,16 +143,12 @@ class ChatCompletionRequest(BaseModel):
             raise unsupported("web_search_options", "web search is not available")
         if self.moderation is not None:
             raise unsupported("moderation", "moderation is not available")
-        if self.repetition_penalty is not None and self.repetition_penalty != 1:
-            raise unsupported("repetition_penalty", "only the neutral value 1")
         if self.mm_processor_kwargs and any(v is not None for v in self.mm_processor_kwargs.values()):
             raise unsupported("mm_processor_kwargs", "no multimodal processor is loaded")
         if self.functions:
             raise unsupported("functions", "legacy function definitions; declare them in 'tools'")
         if self.function_call not in (None, "none", "auto"):
             raise unsupported("function_call", "legacy function choice")
-        if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "'stream_options' requires 'stream': true")
         if self.return_progress and not self.stream:
             raise invalid("return_progress", "'return_progress' requires 'stream': true")
         for i, m in enumerate(self.messages):

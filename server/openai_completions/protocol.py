@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
-from ..openai_common import normalize_stops
+from ..openai_common import normalize_stops, reject_unsupported_sampling
 
 DEFAULT_MAX_TOKENS = 16  # the legacy API's documented default
 
@@ -55,25 +55,11 @@ class CompletionRequest(BaseModel):
         return normalize_stops(v)
 
     def reject_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("n", "one choice per request")
+        reject_unsupported_sampling(self)
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "one candidate per request")
-        if self.logprobs:
-            raise unsupported("logprobs", "log probabilities are not available yet")
         if self.suffix:
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not supported")
-        if self.logit_bias and any(v != 0 for v in self.logit_bias.values()):
-            raise unsupported("logit_bias", "logit bias is not applied by this server")
-        if self.repetition_penalty is not None and self.repetition_penalty != 1:
-            raise unsupported("repetition_penalty", "only the neutral value 1")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output needs constrained decoding")
-        for name in ("grammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise unsupported(name, "constrained decoding is not available")
-        if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "'stream_options' requires 'stream': true")
 
     def one_prompt(self) -> str | list[int]:
         """The single prompt: a string or token ids (a batch of several is refused)."""
