@@ -4,10 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..cancellation import cancel_on_disconnect
-from ..generation import start
+from ..answer import answer
 from ..state import state_of
-from ..streaming import sse_response
 from . import serving
 from .errors import AnthropicEnvelope
 from .protocol import MessagesRequest
@@ -19,10 +17,9 @@ router = APIRouter()
 async def messages(body: MessagesRequest, request: Request):
     state = state_of(request)
     prep = serving.PreparedMessages(body, state)
-    admitted, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
-    if body.stream:
-        return sse_response(serving.stream(prep, admitted, outputs), state.keepalive_s)
-    return JSONResponse(await cancel_on_disconnect(request, serving.complete(prep, outputs)))
+    return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
+                        lambda admitted, outputs: serving.stream(prep, admitted, outputs),
+                        lambda outputs: serving.complete(prep, outputs))
 
 
 @router.post("/v1/messages/count_tokens")

@@ -4,11 +4,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..cancellation import cancel_on_disconnect
+from ..answer import answer
 from ..errors import APIError
-from ..generation import start
 from ..state import state_of
-from ..streaming import sse_response
 from . import serving
 from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -19,10 +17,8 @@ router = APIRouter()
 async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     prep = serving.PreparedCompletion(body, state)
-    _, outputs = await cancel_on_disconnect(request, start(state, prep.prompt_ids, prep.params, prep.id))
-    if body.stream:
-        return sse_response(serving.stream(prep, outputs), state.keepalive_s)
-    return JSONResponse(await cancel_on_disconnect(request, serving.complete(prep, outputs)))
+    return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
+                        lambda _, outputs: serving.stream(prep, outputs), lambda outputs: serving.complete(prep, outputs))
 
 
 @router.post("/tokenize")

@@ -4,11 +4,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from ..cancellation import cancel_on_disconnect
+from ..answer import answer
 from ..errors import APIError, unsupported
-from ..generation import start
 from ..state import state_of
-from ..streaming import sse_response
 from . import serving
 from .protocol import InputItemsOrder, InputTokensRequest, ResponsesRequest
 
@@ -20,10 +18,8 @@ async def create(body: ResponsesRequest, request: Request):
     state = state_of(request)
     run = serving.ResponseRun(body, state)
     p = run.prepared
-    _, outputs = await cancel_on_disconnect(request, start(state, p.prompt_ids, p.params, run.id))
-    if body.stream:
-        return sse_response(serving.stream(run, outputs), state.keepalive_s)
-    return JSONResponse(await cancel_on_disconnect(request, serving.complete(run, outputs)))
+    return await answer(request, state, p.prompt_ids, p.params, run.id, body.stream,
+                        lambda _, outputs: serving.stream(run, outputs), lambda outputs: serving.complete(run, outputs))
 
 
 @router.post("/v1/responses/input_tokens")
