@@ -11,17 +11,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _normalize(x, w_ptr, cols, mask, D, eps, ZERO_CENTERED: tl.constexpr):
+    """One fp32 row (zeros past ``D``) times ``rsqrt(mean(x^2) + eps)`` and the weight."""
+    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    return x * inv * w
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
                      ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    tl.store(out_ptr + row * stride_o + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normalize(x, w_ptr, cols, mask, D, eps, ZERO_CENTERED)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -34,12 +41,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
     r = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     total = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as the unfused add rounds it
     tl.store(res_out_ptr + row * D + cols, total, mask=mask)
-    total = total.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(total * total, 0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    tl.store(out_ptr + row * D + cols, (total * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normalize(total.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTERED)
+    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -49,9 +52,7 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.const
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * inv * w * (z / (1.0 + tl.exp(-z)))
+    y = _normalize(x, w_ptr, cols, mask, D, eps, False) * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
