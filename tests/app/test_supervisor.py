@@ -12,6 +12,7 @@ import pytest
 from ninfer.app import _process
 from ninfer.app.supervisor import State, Supervisor, SupervisorConfig, _healthy
 from support.server_process import free_port
+from support.waiting import wait_until
 
 from support.app_fakes import FAKE_SERVER as FAKE
 
@@ -27,15 +28,6 @@ def make(tmp_path: Path, *flags: str, **options) -> tuple[Supervisor, Path]:
     return Supervisor(config), state
 
 
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def log_text(tmp_path: Path) -> str:
     return (tmp_path / "logs" / "server.log").read_text()
 
@@ -46,7 +38,7 @@ def test_crash_restarts_with_doubling_backoff(tmp_path):
     sup.on_change = changes.append
     sup.start()
     try:
-        wait_for(lambda: len(sup.starts) == 4 and sup.status.state == State.READY)
+        wait_until(lambda: len(sup.starts) == 4 and sup.status.state == State.READY)
         assert sup.delays == [0.3, 0.6, 1.2]
         gaps = [b - a for a, b in zip(sup.starts, sup.starts[1:])]
         assert all(gap >= 0.2 + delay for gap, delay in zip(gaps, sup.delays))
@@ -63,7 +55,7 @@ def test_exit_2_reloads_at_once_then_backs_off_when_repeated(tmp_path):
     sup, state = make(tmp_path, "--crash-first", "3", "--exit-code", "2", "--exit-after", "0.3")
     sup.start()
     try:
-        wait_for(lambda: len(sup.starts) == 4 and sup.status.state == State.READY)
+        wait_until(lambda: len(sup.starts) == 4 and sup.status.state == State.READY)
         assert sup.delays == [0.0, 0.3, 0.6]
         assert sup.starts[1] - sup.starts[0] < 0.3 + 1.5  # ran 0.3 s, reloaded with no wait
         assert "code 2 (engine failure); reloading now" in log_text(tmp_path)
@@ -102,7 +94,7 @@ def test_logs_rotate(tmp_path):
     sup.start()
     try:
         assert sup.wait_ready(20)
-        wait_for(lambda: "log line 2999 " in log_text(tmp_path))
+        wait_until(lambda: "log line 2999 " in log_text(tmp_path))
     finally:
         sup.stop()
     files = sorted(p.name for p in (tmp_path / "logs").iterdir())
@@ -115,7 +107,7 @@ def test_startup_failures_stop_retrying_until_new_settings(tmp_path):
     sup, state = make(tmp_path, "--crash-first", "99", "--exit-code", "1", max_startup_failures=3)
     sup.start()
     try:
-        wait_for(lambda: sup.status.state == State.FAILED)
+        wait_until(lambda: sup.status.state == State.FAILED)
         assert len(sup.starts) == 3 and "pick other settings" in sup.status.describe()
         time.sleep(0.5)
         assert len(sup.starts) == 3  # no more attempts on its own
@@ -132,7 +124,7 @@ def test_server_left_by_an_earlier_launcher_is_stopped_by_its_pid(tmp_path):
     orphan = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port), "--state", str(tmp_path / "old")],
                               stdout=subprocess.PIPE, text=True)
     assert orphan.stdout.readline().startswith("fake server start")
-    wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/health"))
+    wait_until(lambda: _healthy(f"http://127.0.0.1:{port}/health"))
     _process.write_pid_file(tmp_path / "ninfer-serve.pid", orphan.pid)
     sup, _ = make(tmp_path)
     sup.start()

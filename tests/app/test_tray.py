@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from support.server_process import free_port
+from support.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 SCREENSHOT = HERE.parents[1] / "docs" / "screenshots" / "tray.png"
@@ -35,15 +36,6 @@ def display():
 
 def xdotool(env: dict, *args: str) -> None:
     subprocess.run(["xdotool", *args], env=env, check=True, timeout=10)
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def menu_shown(env: dict) -> bool:

@@ -13,15 +13,6 @@ from ninfer.engine.models.base import ForwardBatch
 HK, HV, DK, DV = 2, 4, 16, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def random_inputs(t: int, with_state: bool):
     q = F.normalize(torch.randn(t, HK, DK), dim=-1)
     k = F.normalize(torch.randn(t, HK, DK), dim=-1)

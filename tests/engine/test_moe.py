@@ -10,15 +10,6 @@ from ninfer.engine.layers.moe import SparseMoeBlock, fuse_expert_weights
 H, E, K, I, S = 16, 6, 2, 8, 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_block(norm_topk_prob=True, shared=S) -> SparseMoeBlock:
     block = SparseMoeBlock(H, E, K, I, shared, norm_topk_prob)
     with torch.no_grad():

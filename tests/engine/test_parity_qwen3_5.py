@@ -45,15 +45,6 @@ VISION = dict(
 PROMPT_LEN, NEW_TOKENS, LOGIT_TOL = 120, 32, 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def qwen3_5_text(tied: bool):
     return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT, tie_word_embeddings=tied))
 

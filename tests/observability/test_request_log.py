@@ -13,6 +13,7 @@ from ninfer.server.app import create_app
 from ninfer.server.observability.request_log import RequestLog, redact_argv
 from support.live_server import LiveServer
 from support.scripted import scripted_state
+from support.waiting import wait_for
 
 SECRET = "zebra-cobalt-7731"  # placed in prompts: must never reach the log
 API_KEY = "key-9f8e7d6c5b4a"
@@ -21,15 +22,6 @@ LONG = "word " * 400
 
 def events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 from ninfer.server.app import create_app
 from support.live_server import LiveServer
 from support.scripted import scripted_state
+from support.waiting import wait_for
 
 LONG = "word " * 400
 
@@ -43,15 +44,6 @@ def hold_stream(url: str, opened: threading.Event, release: threading.Event) -> 
         next(lines)
         opened.set()
         release.wait(20)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_429_once_concurrency_plus_pending_are_outstanding(serve):
