@@ -11,7 +11,7 @@ import pytest
 
 from ninfer.server.app import create_app
 from support.live_server import LiveServer
-from support.scripted import scripted_state
+from support.scripted import record_prompts, scripted_state
 
 KEY = "sk-local-test"
 MODEL = "claude-sonnet-local"  # any label: echoed, never selects the model
@@ -30,15 +30,7 @@ THINKING = {"type": "enabled", "budget_tokens": 1024}
 @pytest.fixture(scope="module")
 def served():
     state, loop = scripted_state(SCRIPTS, "Hello! How can I help?", "--api-key", KEY)
-    prompts: list[str] = []
-    model = state.engine.loop.engine.model
-    choose = model._choose
-
-    def recording(prompt_text: str):
-        prompts.append(prompt_text)
-        return choose(prompt_text)
-
-    model._choose = recording
+    prompts = record_prompts(state)
     loop.start()
     with LiveServer(create_app(state)) as server:
         yield anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0), prompts, server

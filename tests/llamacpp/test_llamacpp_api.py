@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from ninfer.server.app import create_app
 from support.live_server import LiveServer
-from support.scripted import scripted_state
+from support.scripted import record_prompts, scripted_state
 
 ANSWER = "The capital of France is Paris. 巴黎 🇫🇷"
 
@@ -20,15 +20,7 @@ ANSWER = "The capital of France is Paris. 巴黎 🇫🇷"
 @pytest.fixture(scope="module")
 def served():
     state, loop = scripted_state({"capital": ANSWER, "story": "once " * 200})
-    seen: list[str] = []
-    model = state.engine.loop.engine.model
-    choose = model._choose
-
-    def recording_choose(prompt_text: str):
-        seen.append(prompt_text)
-        return choose(prompt_text)
-
-    model._choose = recording_choose
+    seen = record_prompts(state)
     loop.start()
     with TestClient(create_app(state)) as client:
         yield client, state, seen

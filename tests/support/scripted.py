@@ -88,3 +88,17 @@ def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I hel
     template = ChatTemplate(ckpt.chat_template, eos_token="<|im_end|>")
     config: EngineConfig = engine_config(args, 32768, "cpu", torch.float32)
     return assemble_state(args, ckpt, model, tok, template, config)
+
+
+def record_prompts(state) -> list[str]:
+    """The prompt texts the state's ScriptedLM is asked to answer, appended as they come."""
+    prompts: list[str] = []
+    model = state.engine.loop.engine.model
+    choose = model._choose
+
+    def recording(prompt_text: str):
+        prompts.append(prompt_text)
+        return choose(prompt_text)
+
+    model._choose = recording
+    return prompts
