@@ -65,6 +65,38 @@ class ForwardBatch:
         return cls(positions=positions, seq_lens=[num_new], caches=[cache])
 
 
+class PreNormLayer(nn.Module):
+    """A pre-norm decoder block, ``h += mixer(norm(h)); h += mlp(norm(h))``, over a residual stream
+    passed along beside the branch output, so each residual add is fused with the norm after it
+    (``RMSNorm(x, residual)``). Subclasses hold ``input_layernorm``, ``post_attention_layernorm``
+    and ``mlp`` and say which token mixer runs (``mixer``)."""
+
+    def mixer(self) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the previous layer's output is added to the residual
+        stream here; the stack adds the last one (:class:`PreNormStack`)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.mixer()(hidden, batch), residual)
+        return self.mlp(hidden), residual
+
+
+class PreNormStack(nn.Module):
+    """The ``model.`` part of a checkpoint: ``embed_tokens``, ``layers`` (:class:`PreNormLayer`),
+    final ``norm``, which also adds the last layer's output to the residual stream."""
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        return self.norm(hidden, residual)[0]
+
+
 class CausalLM(nn.Module):
     """Interface of a decoder-only model. Subclasses build their layers from ``ModelConfig``."""
 

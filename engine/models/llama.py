@@ -17,11 +17,11 @@ from ..layers.embedding import LMHead
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .base import CausalLM, ForwardBatch
+from .base import CausalLM, PreNormLayer, PreNormStack
 from .weights import load_parameters
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
     def __init__(
@@ -44,18 +44,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream)``; each residual add is fused with the norm after it."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, batch), residual)
-        return self.mlp(hidden), residual
+    def mixer(self) -> nn.Module:
+        return self.self_attn
 
 
-class DecoderStack(nn.Module):
+class DecoderStack(PreNormStack):
     """The ``model.`` part of the checkpoint: embedding, layers, final norm."""
 
     def __init__(self, config: ModelConfig, qk_norm: str | None) -> None:
@@ -66,12 +59,6 @@ class DecoderStack(nn.Module):
             DecoderLayer(config, i, rotary, qk_norm) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch)
-        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

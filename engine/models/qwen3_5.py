@@ -28,13 +28,13 @@ from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoeBlock, fuse_expert_weights
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .base import CausalLM, ForwardBatch
+from .base import CausalLM, PreNormLayer, PreNormStack
 from .weights import load_parameters
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormLayer):
     """Pre-norm block: ``h += mixer(norm(h)); h += mlp(norm(h))``, mixer = GDN or attention.
     Each residual add is fused with the norm that follows it."""
 
@@ -87,20 +87,11 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(hidden, config.intermediate_size, bias=config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(branch output, residual stream)``: the previous layer's MLP output is added to the
-        residual stream here, fused with this layer's first norm; the stack adds the last one."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        hidden, residual = self.post_attention_layernorm(mixer(hidden, batch), residual)
-        return self.mlp(hidden), residual
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.is_linear else self.self_attn
 
 
-class HybridDecoderStack(nn.Module):
+class HybridDecoderStack(PreNormStack):
     """The ``model.`` part of the checkpoint: embedding, layers, final norm."""
 
     def __init__(self, config: ModelConfig, gdn_class: type[GatedDeltaNet], norm_topk_prob: bool) -> None:
@@ -112,12 +103,6 @@ class HybridDecoderStack(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch)
-        return self.norm(hidden, residual)[0]
 
 
 class Qwen3_5ForCausalLM(CausalLM):
