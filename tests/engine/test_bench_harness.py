@@ -27,3 +27,20 @@ def test_bytes_per_step_grows_with_batch_and_context():
     cfg = ModelConfig.from_hf_dict(TINY)
     assert bytes_per_step(cfg, 8, 40) > bytes_per_step(cfg, 1, 40)
     assert bytes_per_step(cfg, 1, 4000) > bytes_per_step(cfg, 1, 40)
+
+
+def test_peer_harness_on_cpu_reads_both_decode_figures_and_the_table_shows_them():
+    from bench.decode import bench_hf, table
+
+    cfg = ModelConfig.from_hf_dict(TINY)
+    hf = bench_hf(cfg, [1, 2], context=24, prefills=[16], steps=3, device="cpu")
+    for b in (1, 2):
+        d = hf["decode"][b]
+        assert d["tok_s"] > 0 and d["generate_tok_s"] > 0 and d["generate_ms_per_step"] > 0
+    assert hf["prefill"][16]["tok_s"] > 0
+    ours = bench_ours(cfg, [1], context=24, prefills=[16], steps=3, device="cpu")
+    text = table({"tiny": {"ninfer": ours, "hf": hf}}, {"gpu": "cpu", "copy_gb_s": 10.0, "matmul_tflops": 1.0})
+    row = next(line for line in text.splitlines() if "decode b=1" in line)
+    loop, gen = hf["decode"][1]["tok_s"], hf["decode"][1]["generate_tok_s"]
+    assert f"{loop:.1f}; {gen:.1f} tok/s" in row
+    assert f"{ours['decode'][1]['tok_s'] / gen:.1f}x" in row
