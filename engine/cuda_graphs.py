@@ -12,13 +12,60 @@ import logging
 import torch
 
 from .cache.manager import CacheManager
-from .decode_meta import decode_rows
 from .models.base import CausalLM, DecodeMeta, ForwardBatch
 from .request import Request
 
 log = logging.getLogger("ninfer.engine")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+
+
+class _Stage:
+    """Pinned host copies of the static inputs, written row by row and sent in two copies.
+
+    ``wide`` holds four int64 rows (token ids, positions, KV write rows, state slots), ``narrow``
+    the int32 context lengths followed by the block tables, in the device buffers' layout."""
+
+    def __init__(self, n: int, max_pages: int, pad: tuple[int, int, int]) -> None:
+        self.n, self.max_pages, self.pad = n, max_pages, pad
+        self.wide = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self.narrow = torch.zeros(n + n * max_pages, dtype=torch.int32, pin_memory=True)
+        self.tables = self.narrow[n:].view(n, max_pages)
+        self.keys: list[tuple[object, int] | None] = [None] * n  # (cache, pages) each table row holds
+        self.rows = n
+        self.clear(0)
+
+    def clear(self, start: int) -> None:
+        """Padding rows from ``start`` on: the reserved page and slot, context length 1."""
+        if start >= self.rows:
+            return
+        page, write, slot = self.pad
+        self.wide[:, start:] = torch.tensor([0, 0, write, slot]).unsqueeze(1)
+        self.narrow[start:self.n] = 1
+        self.tables[start:] = page
+        self.keys[start:] = [None] * (self.n - start)
+        self.rows = start
+
+    def fill(self, reqs: list[Request], page_size: int) -> None:
+        n = len(reqs)
+        self.clear(n)
+        ids, pos, writes, slots, lens = [], [], [], [], []
+        for i, req in enumerate(reqs):
+            cache = req.cache
+            p = cache.num_tokens
+            ids.append(req.token_at(req.num_computed) if req.num_computed < req.num_tokens else 0)
+            pos.append(req.num_computed)
+            writes.append(cache.pages[p // page_size] * page_size + p % page_size)
+            slots.append(cache.slot if cache.slot is not None else 0)
+            lens.append(p + 1)
+            key = self.keys[i]
+            if key is None or key[0] is not cache or key[1] != len(cache.pages):
+                row = cache.pages + [self.pad[0]] * (self.max_pages - len(cache.pages))
+                self.tables[i] = torch.tensor(row, dtype=torch.int32)
+                self.keys[i] = (cache, len(cache.pages))
+        self.wide[:, :n] = torch.tensor([ids, pos, writes, slots], dtype=torch.long)
+        self.narrow[:n] = torch.tensor(lens, dtype=torch.int32)
+        self.rows = max(self.rows, n)
 
 
 class CudaGraphDecoder:
@@ -30,25 +77,25 @@ class CudaGraphDecoder:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.max_pages = -(-max_context // caches.page_size) + 1
         self.pad_page, self.pad_slot = caches.reserve_padding()
-        n = max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.write_index = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self._reset_padding(0)
+        n = self.max_batch = max_batch
+        self.wide = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.narrow = torch.zeros(n + n * self.max_pages, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.write_index, self.slot_ids = self.wide.unbind(0)
+        self.context_lens = self.narrow[:n]
+        self.block_tables = self.narrow[n:].view(n, self.max_pages)
+        page = max(self.pad_page, 0)
+        pad = (page, page * caches.page_size, max(self.pad_slot, 0))
+        # two stages used in turn: a stage is rewritten only after the step that read it has run
+        self._stages = [_Stage(n, self.max_pages, pad) for _ in range(2)]
+        self._turn = 0
+        self._send(self._stages[0], n)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _reset_padding(self, start: int) -> None:
-        page = max(self.pad_page, 0)
-        self.block_tables[start:] = page
-        self.context_lens[start:] = 1
-        self.write_index[start:] = page * self.caches.page_size
-        self.slot_ids[start:] = max(self.pad_slot, 0)
-        self.input_ids[start:] = 0
-        self.positions[start:] = 0
+    def _send(self, stage: _Stage, b: int) -> None:
+        self.wide.copy_(stage.wide, non_blocking=True)
+        end = self.max_batch + b * self.max_pages
+        self.narrow[:end].copy_(stage.narrow[:end], non_blocking=True)
 
     def _batch(self, b: int) -> ForwardBatch:
         meta = DecodeMeta(
@@ -82,22 +129,17 @@ class CudaGraphDecoder:
         """Whether a captured graph can run this decode batch."""
         return self.bucket(len(reqs)) is not None and all(len(r.cache.pages) <= self.max_pages for r in reqs)
 
-    def run(self, reqs: list[Request]) -> torch.Tensor:
-        """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced)."""
+    def run(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced).
+        The input tokens are the requests' next uncomputed ones, or ``ids`` (on the device)."""
         n = len(reqs)
         b = self.bucket(n)
-        tables, lens, writes, slots = decode_rows(reqs, self.caches.page_size, self.max_pages, max(self.pad_page, 0))
-        ids = [r.all_ids[r.num_computed] for r in reqs]
-        pos = [r.num_computed for r in reqs]
-        host = torch.tensor([ids, pos, lens, writes, slots], dtype=torch.long)
-        self.input_ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.context_lens[:n].copy_(host[2], non_blocking=True)
-        self.write_index[:n].copy_(host[3], non_blocking=True)
-        self.slot_ids[:n].copy_(host[4], non_blocking=True)
-        self.block_tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        if n < b:
-            self._reset_padding(n)
+        self._turn ^= 1
+        stage = self._stages[self._turn]
+        stage.fill(reqs, self.caches.page_size)
+        self._send(stage, b)
+        if ids is not None:
+            self.input_ids[:n].copy_(ids)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]

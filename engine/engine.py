@@ -19,8 +19,8 @@ from .memory import plan_kv_pages
 from .models.base import CausalLM
 from .outputs import RequestOutput
 from .request import FinishReason, Request, Status
-from .runner import ModelRunner
-from .sampler import make_generator
+from .runner import Launched, ModelRunner
+from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
 from .stats import EngineCounters
 
@@ -38,10 +38,11 @@ class LLMEngine:
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
-        self.runner = ModelRunner(model, self.device, self.caches)
+        self.runner = ModelRunner(model, self.device, self.caches, config.batched_decode)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
+        self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
         self.counters = EngineCounters()  # read lock-free by /metrics and /stats
 
     # ------------------------------------------------------------------ requests
@@ -68,7 +69,7 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._ahead)
 
     @property
     def waiting(self) -> list[Request]:
@@ -81,17 +82,45 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         outputs = [self._expire(r) for r in self.scheduler.expired()]
-        plan = self.scheduler.schedule()
-        self.counters.scheduled(self.scheduler.admitted, plan)
-        for r in self.scheduler.admitted:
-            r.admitted_time = time.monotonic()
-        outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids))
-                    for r in self.scheduler.admitted]
-        if not plan:
-            return outputs
-        ready, tokens = self.runner.execute(plan)
-        outputs += self._progress(plan, ready)
-        return outputs + self._postprocess(ready, tokens)
+        if self._ahead is not None:  # launched last step: its plan is this step's
+            launched, self._ahead = self._ahead, None
+        else:
+            plan = self.scheduler.schedule()
+            self.counters.scheduled(self.scheduler.admitted, plan)
+            for r in self.scheduler.admitted:
+                r.admitted_time = time.monotonic()
+            outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids))
+                        for r in self.scheduler.admitted]
+            if not plan:
+                return outputs
+            launched = self.runner.launch(plan)
+        self._ahead = self._launch_ahead(launched)
+        tokens = launched.read()
+        outputs += self._progress(launched.plan, launched.ready)
+        # a step launched ahead may carry requests that have finished since, or whose next token
+        # was already known (forced tokens): what it sampled for them is dropped
+        ready = [(r, t) for r, t, wanted in zip(launched.ready, tokens, launched.still_wanted()) if wanted]
+        return outputs + self._postprocess([r for r, _ in ready], [t for _, t in ready])
+
+    def _launch_ahead(self, launched: Launched) -> Launched | None:
+        """Launch the decode step that follows ``launched`` before its tokens are read, so the GPU
+        goes on while the host reads, detokenizes and publishes. Only when the next step would be
+        exactly that: a batched decode step of the same running requests, nobody waiting to be
+        admitted, no sampling that needs the token history, no thinking budget about to force its
+        close tokens, and cache room for one more token."""
+        reqs = [r for r, wanted in zip(launched.ready, launched.still_wanted()) if wanted]
+        if not (self.config.overlap and launched.decode and reqs) or self.scheduler.waiting:
+            return None
+        if len(self.scheduler.running) != len(reqs) or \
+                any(uses_history(r.params) or thinking.may_force_next(r) for r in reqs):
+            return None
+        if all(r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens for r in reqs):
+            return None  # every one of them ends with the token being read
+        if not all(r.num_computed + 1 <= r.max_total_tokens and self.caches.reserve(r.cache, r.num_computed + 1)
+                   for r in reqs):
+            return None
+        self.counters.scheduled([], [(r, 1) for r in reqs])
+        return self.runner.launch_next(launched, reqs)
 
     def _progress(self, plan: list[tuple[Request, int]], ready: list[Request]) -> list[RequestOutput]:
         """One output per prompt chunk that committed without finishing the prompt (first pass

@@ -17,6 +17,8 @@ class EngineConfig:
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    batched_decode: bool | None = None  # one forward over the pools per decode step (None = on CUDA)
+    overlap: bool = True  # launch the next decode step before reading this one's tokens (batched decode)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 

@@ -4,6 +4,10 @@ It owns the physical side of a step (input tensors, the forward, logits, samplin
 decides what runs; the runner decides how. Decode-only steps on CUDA run as one batched forward
 over the pools (``DecodeMeta``), replayed from a CUDA graph when one was captured for the batch
 size; everything else runs eagerly with per-sequence attention and recurrence.
+
+A step is *launched* (``launch``) and its tokens *read* later (``Launched.read``): the tokens stay
+on the device until then, so the next decode step can be launched from them (``launch_next``)
+while the host is still busy with this one's.
 """
 from __future__ import annotations
 
@@ -13,7 +17,41 @@ from .cache.manager import CacheManager
 from .decode_meta import build_decode_meta
 from .models.base import CausalLM, ForwardBatch
 from .request import Request
-from .sampler import sample
+from .sampler import sample_tokens
+
+
+class Launched:
+    """A step on its way: the requests that reach their next token, and those tokens, still on
+    the device (copied towards pinned host memory behind an event on CUDA)."""
+
+    def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], tokens: torch.Tensor | None,
+                 decode: bool, host: torch.Tensor | None = None) -> None:
+        self.plan = plan
+        self.ready = ready
+        self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
+        self.tokens = tokens
+        self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
+        self._host = None
+        self._event = None
+        if tokens is not None and host is not None:
+            self._host = host[: len(ready)]
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def still_wanted(self) -> list[bool]:
+        """Per ready request: whether its sampled token is still its next one (not when it has
+        finished since the launch, or a forced token has taken that place)."""
+        return [not r.is_finished and r.num_tokens == slot for r, slot in zip(self.ready, self.slots)]
+
+    def read(self) -> list[int]:
+        """The sampled tokens, waiting for this step only (not for steps launched after it)."""
+        if self.tokens is None:
+            return []
+        if self._event is None:
+            return self.tokens.tolist()
+        self._event.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -24,6 +62,8 @@ class ModelRunner:
         self.caches = caches
         self.batched_decode = (device.type == "cuda") if batched_decode is None else batched_decode
         self.graphs = None  # CudaGraphDecoder, when captured
+        self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
+        self._turn = 0
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
@@ -34,27 +74,59 @@ class ModelRunner:
     def execute(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run ``n`` new tokens for each ``(request, n)``; advance ``num_computed``; return the
         requests that reached their next token and the tokens sampled for them."""
-        with torch.inference_mode():
-            if self.batched_decode and self.caches is not None and all(n == 1 for _, n in plan) and \
-                    all(r.decode_ready for r, _ in plan):
-                logits = self._decode(plan)
-                ready = [r for r, _ in plan]
-                for r in ready:
-                    r.num_computed += 1
-            else:
-                ready, logits = self._eager(plan)
-            if not ready:
-                return [], []
-            return ready, sample(logits, ready)
+        step = self.launch(plan)
+        return step.ready, step.read()
 
-    def _decode(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
-        reqs = [r for r, _ in plan]
+    def launch(self, plan: list[tuple[Request, int]]) -> Launched:
+        """``execute`` without reading the tokens back."""
+        with torch.inference_mode():
+            reqs = [r for r, _ in plan]
+            if self.batched_decode and self.caches is not None and all(n == 1 for _, n in plan) and \
+                    all(r.decode_ready for r in reqs):
+                return self._launch_decode(plan, reqs, None)
+            ready, logits = self._eager(plan)
+            return self._launched(plan, ready, logits, decode=False)
+
+    def launch_next(self, prev: Launched, reqs: list[Request]) -> Launched:
+        """The decode step after ``prev`` (a batched decode step) for ``reqs``, all of them in
+        ``prev.ready``: each one's input is the token ``prev`` sampled for it, taken on the device,
+        before the host has read it. The caller has reserved cache room for one more token."""
+        rows = [i for i, r in enumerate(prev.ready) if any(r is q for q in reqs)]
+        ids = prev.tokens if len(rows) == len(prev.ready) else prev.tokens[torch.tensor(rows, device=self.device)]
+        with torch.inference_mode():
+            return self._launch_decode([(r, 1) for r in reqs], reqs, ids)
+
+    def _launch_decode(self, plan, reqs: list[Request], ids: torch.Tensor | None) -> Launched:
+        logits = self._decode(reqs, ids)
+        for r in reqs:
+            r.num_computed += 1
+        return self._launched(plan, reqs, logits, decode=True)
+
+    def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool) -> Launched:
+        if not ready:
+            return Launched(plan, [], None, decode)
+        tokens = sample_tokens(logits, ready)
+        return Launched(plan, ready, tokens, decode, self._readback(len(ready)))
+
+    def _readback(self, n: int) -> torch.Tensor | None:
+        """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites
+        the one of the step before it that may still be on its way."""
+        if self.device.type != "cuda":
+            return None
+        if not self._pinned or self._pinned[0].numel() < n:
+            size = max(n, 64)
+            self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._turn ^= 1
+        return self._pinned[self._turn]
+
+    def _decode(self, reqs: list[Request], ids: torch.Tensor | None) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(reqs):
-            logits = self.graphs.run(reqs)
+            logits = self.graphs.run(reqs, ids)
         else:
             meta = build_decode_meta(reqs, self.caches, self.device)
             positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
-            ids = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long, device=self.device)
+            if ids is None:
+                ids = torch.tensor([r.token_at(r.num_computed) for r in reqs], dtype=torch.long, device=self.device)
             batch = ForwardBatch(positions=positions, seq_lens=[1] * len(reqs), caches=[], decode=meta)
             logits = self.model.compute_logits(self.model(ids, batch))
         for r in reqs:

@@ -66,15 +66,25 @@ def sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty \
-        and not params.frequency_penalty
+    return params.greedy and not uses_history(params)
+
+
+def uses_history(params: SamplingParams) -> bool:
+    """Whether the token depends on the request's earlier tokens (penalties), so it cannot be
+    sampled before the previous token has been read back."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def sample_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
+    left on the device: every row is decided there (plain greedy rows in one argmax)."""
+    greedy = torch.argmax(logits, dim=-1)
+    if all(_plain_greedy(r.params) for r in reqs):
+        return greedy
+    return torch.cat([greedy[i : i + 1] if _plain_greedy(r.params) else sample_one(logits[i], r)
+                      for i, r in enumerate(reqs)])
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``. Every row is decided
-    on the device (plain greedy rows in one argmax) and all tokens are read back with one copy."""
-    if all(_plain_greedy(r.params) for r in reqs):
-        return torch.argmax(logits, dim=-1).tolist()
-    greedy = torch.argmax(logits, dim=-1)
-    rows = [greedy[i : i + 1] if _plain_greedy(r.params) else sample_one(logits[i], r) for i, r in enumerate(reqs)]
-    return torch.cat(rows).tolist()
+    """``sample_tokens`` read back with one copy."""
+    return sample_tokens(logits, reqs).tolist()

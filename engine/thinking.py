@@ -41,5 +41,15 @@ def account(req: Request, token: int) -> list[int]:
     return []
 
 
+def may_force_next(req: Request) -> bool:
+    """Whether committing one more token could force the close tokens (so the token after it is
+    not the model's to sample)."""
+    control = req.params.thinking
+    if control is None or control.budget is None:
+        return False
+    state = req.thinking or ThinkingState()
+    return state.open and not state.forced and state.reasoning_tokens + 1 >= control.budget
+
+
 def reasoning_tokens(req: Request) -> int:
     return 0 if req.thinking is None else req.thinking.reasoning_tokens

@@ -46,4 +46,6 @@ class PagedSequenceCache:
             raise RuntimeError(f"KV pages for {self.capacity} tokens, writing up to {end}: reserve first")
         a = self._attn[layer]
         self.kv.write(a, self.pages, self.num_tokens, k, v)
+        if self.num_tokens == 0:  # nothing older: the new keys are all of them
+            return k.to(self.kv.keys.dtype), v.to(self.kv.values.dtype)
         return self.kv.gather(a, self.pages, end)

@@ -136,10 +136,11 @@ class Attention(nn.Module):
         if batch.decode is not None:
             out = self._decode(q, k, v, batch.decode)
         else:
-            out = torch.empty_like(q)
+            parts = []
             for (start, end), cache in zip(batch.slices, batch.caches):
                 keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
-                out[start:end] = attend(q[start:end], keys, values, self.scale)
+                parts.append(attend(q[start:end], keys, values, self.scale))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = out.reshape(n, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -24,8 +24,15 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
     return fused
 
 
+# Above this many rows (prefill) each part gets its own GEMM: the parts come out contiguous, so
+# the kernels after them need no strided copies, and a GEMM this tall is efficient on its own.
+SPLIT_ROWS = 256
+
+
 def split_linear(x: torch.Tensor, fused: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
-    return F.linear(x, fused).split(sizes, dim=-1)
+    if x.shape[0] <= SPLIT_ROWS:
+        return F.linear(x, fused).split(sizes, dim=-1)
+    return tuple(F.linear(x, w) for w in fused.split(sizes, dim=0))
 
 
 def fuse_model_projections(model: nn.Module) -> int:

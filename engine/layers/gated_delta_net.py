@@ -125,11 +125,10 @@ class GatedDeltaNet(nn.Module):
         if batch.decode is not None:
             out = self._decode(qkv, g, beta, batch.decode)
         else:
-            out = hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
-            for (start, end), cache in zip(batch.slices, batch.caches):
-                if end == start:
-                    continue
-                out[start:end] = self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache)
+            parts = [self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache).to(hidden.dtype)
+                     for (start, end), cache in zip(batch.slices, batch.caches) if end > start]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
+                hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(n, self.value_dim))
 

@@ -133,8 +133,19 @@ def shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tenso
     return shared, shared.stride(0)
 
 
+# Tile sizes of the two grouped GEMVs (``python -m bench.moe_tune`` times the alternatives).
+GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
+DOWN_TILES = {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4}
+
+
+def _tiles(default: dict, tiles: dict | None, k: int) -> dict:
+    t = dict(default, **(tiles or {}))
+    t["BLOCK_K"] = min(t["BLOCK_K"], triton.next_power_of_2(k))
+    return t
+
+
 def moe_gate_up_triton(x: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None,
-                       ids: torch.Tensor) -> torch.Tensor:
+                       ids: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
     """``x`` ``[N, H]``, ``w`` ``[E, 2I, H]``, ``shared`` ``[2I, H]`` (id ``E``), ``ids`` ``[N, S]``
     -> ``silu(gate) * up`` ``[N * S, I]``."""
     n, hid = x.shape
@@ -144,16 +155,16 @@ def moe_gate_up_triton(x: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | 
     inter, slots = two_i // 2, ids.shape[1]
     shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n * slots, inter), dtype=x.dtype, device=x.device)
-    block_n = 8
+    t = _tiles(GATE_UP_TILES, tiles, hid)
     if n:
-        _gate_up_kernel[(n * slots, triton.cdiv(inter, block_n))](
+        _gate_up_kernel[(n * slots, triton.cdiv(inter, t["BLOCK_N"]))](
             x.contiguous(), w, shared_w, ids, out, inter, hid, e, w.stride(0), w.stride(1), stride_s,
-            SLOTS=slots, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(hid)), num_warps=4)
+            SLOTS=slots, **t)
     return out
 
 
 def moe_down_triton(h: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None, ids: torch.Tensor,
-                    wts: torch.Tensor) -> torch.Tensor:
+                    wts: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
     """``h`` ``[N * S, I]``, ``w`` ``[E, H, I]``, ``shared`` ``[H, I]`` (id ``E``), ``ids``/``wts``
     ``[N, S]`` -> ``sum_s wts * (w[ids] @ h)`` ``[N, H]``."""
     n, slots = ids.shape
@@ -162,10 +173,9 @@ def moe_down_triton(h: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | Non
         raise ValueError(f"moe down: h {tuple(h.shape)}, w {tuple(w.shape)}, ids {tuple(ids.shape)}")
     shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n, hid), dtype=h.dtype, device=h.device)
-    block_n = 4
+    t = _tiles(DOWN_TILES, tiles, inter)
     if n:
-        _down_kernel[(n, triton.cdiv(hid, block_n))](
+        _down_kernel[(n, triton.cdiv(hid, t["BLOCK_N"]))](
             h.contiguous(), w, shared_w, ids, wts, out, hid, inter, e, w.stride(0), w.stride(1), stride_s,
-            SLOTS=slots, S_PAD=triton.next_power_of_2(slots), BLOCK_N=block_n,
-            BLOCK_K=min(512, triton.next_power_of_2(inter)), num_warps=4)
+            SLOTS=slots, S_PAD=triton.next_power_of_2(slots), **t)
     return out

@@ -222,3 +222,20 @@ def test_gated_attention_reads_gate_per_head():
     out_plain = _run(plain, x, [SequenceCache(1)], [6])
     out_gated = _run(gated, x, [SequenceCache(1)], [6])
     torch.testing.assert_close(out_gated, 0.5 * out_plain, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 300])
+def test_split_linear_gives_each_projection_contiguous(rows):
+    """Decode-sized runs take one GEMM and split it; prefill-sized runs take one GEMM per part.
+    Either way each part is that projection's output."""
+    from ninfer.engine.layers.fused_linear import SPLIT_ROWS, fuse_linears, split_linear
+
+    torch.manual_seed(rows)
+    lins = [torch.nn.Linear(32, n, bias=False) for n in (24, 8, 5)]
+    x = torch.randn(rows, 32)
+    want = [lin(x) for lin in lins]
+    fused = fuse_linears(lins)
+    parts = split_linear(x, fused, [24, 8, 5])
+    for got, ref in zip(parts, want):
+        torch.testing.assert_close(got, ref)
+        assert got.is_contiguous() == (rows > SPLIT_ROWS)

@@ -1,0 +1,91 @@
+"""Tile sizes of the MoE decode GEMVs, timed at a model's shape.
+
+    python -m bench.moe_tune --shape qwen3.5-35b-a3b [--tokens 1,8]
+
+Random bf16 experts at the shape's size (all of them, so the assignments read cold weights from
+HBM, as in a real step), random routing; each tile choice of ``moe_gate_up_triton`` and
+``moe_down_triton`` is checked against the current default's output and timed with CUDA events.
+Prints one table per kernel and token count: microseconds per call and the bandwidth of the
+expert rows it reads.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from ninfer.engine.layers import moe_triton as mt
+
+from .shapes import shape_config
+
+
+def _time_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def candidates(block_ns, block_ks, warps):
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, k, w in itertools.product(block_ns, block_ks, warps)]
+
+
+def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int) -> list[str]:
+    ref = fn(default)
+    rows = []
+    for tiles in options:
+        try:
+            out = fn(tiles)
+            ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            us = _time_us(lambda: fn(tiles))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
+            rows.append((float("inf"), f"| {tiles} | failed: {type(exc).__name__} | | |"))
+            continue
+        mark = " (default)" if tiles == {**default} else ""
+        rows.append((us, f"| {tiles}{mark} | {us:.1f} | {nbytes / us / 1e3:.0f} | {'ok' if ok else 'MISMATCH'} |"))
+    rows.sort(key=lambda r: r[0])
+    return [f"\n{name}", "| tiles | us per call | GB/s | output |", "|---|---|---|---|"] + [r for _, r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe_tune")
+    p.add_argument("--shape", default="qwen3.5-35b-a3b")
+    p.add_argument("--tokens", default="1,8")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    cfg = shape_config(args.shape)
+    e, hid, inter, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    dt, dev = torch.bfloat16, "cuda"
+    gate_up = torch.randn(e, 2 * inter, hid, dtype=dt, device=dev) * 0.02
+    down = torch.randn(e, hid, inter, dtype=dt, device=dev) * 0.02
+    shared_gu = torch.randn(2 * inter, hid, dtype=dt, device=dev) * 0.02
+    shared_d = torch.randn(hid, inter, dtype=dt, device=dev) * 0.02
+    print(f"{args.shape}: {e} experts, hidden {hid}, moe intermediate {inter}, top-{k} + shared")
+    for n in (int(t) for t in args.tokens.split(",")):
+        logits = torch.randn(n, e + 1, device=dev)
+        ids, wts = mt.route_triton(logits, k, e, True, True)
+        x = torch.randn(n, hid, dtype=dt, device=dev)
+        h = torch.randn(n * (k + 1), inter, dtype=dt, device=dev)
+        distinct = ids.unique().numel()
+        for line in sweep(f"gate_up, {n} token(s), {distinct} distinct experts",
+                          lambda t: mt.moe_gate_up_triton(x, gate_up, shared_gu, ids, t), mt.GATE_UP_TILES,
+                          candidates([4, 8, 16, 32], [512, 1024, 2048], [4, 8]),
+                          distinct * 2 * inter * hid * 2):
+            print(line)
+        for line in sweep(f"down, {n} token(s), {distinct} distinct experts",
+                          lambda t: mt.moe_down_triton(h, down, shared_d, ids, wts, t), mt.DOWN_TILES,
+                          candidates([2, 4, 8, 16], [256, 512], [2, 4, 8]),
+                          distinct * hid * inter * 2):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
