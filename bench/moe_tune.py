@@ -2,9 +2,10 @@
 
     python -m bench.moe_tune --shape qwen3.5-35b-a3b [--tokens 1,8]
 
-Random bf16 experts at the shape's size (all of them, so the assignments read cold weights from
-HBM, as in a real step), random routing; each tile choice of ``moe_gate_up_triton`` and
-``moe_down_triton`` is checked against the current default's output and timed with CUDA events.
+Random bf16 experts at the shape's size (all of them) and ``--routes`` random routings, so the
+timed calls read expert weights from HBM rather than L2, as in a real step; each tile choice of
+``moe_gate_up_triton`` and ``moe_down_triton`` is checked against the current default's output
+and timed in a CUDA graph (GPU time, no Python launch cost).
 Prints one table per kernel and token count: microseconds per call and the bandwidth of the
 expert rows it reads.
 """
@@ -20,30 +21,38 @@ from ninfer.engine.layers import moe_triton as mt
 from .shapes import shape_config
 
 
-def _time_us(fn, reps: int = 50) -> float:
-    fn()
+def _time_us(fn, routes: int, reps: int = 4) -> float:
+    """GPU time per call: ``routes`` calls (one per routing, so the experts read are not all in L2)
+    captured in a CUDA graph and replayed, so Python launch time is not counted."""
+    for r in range(routes):
+        fn(r)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(routes):
+            fn(r)
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        fn()
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return start.elapsed_time(end) * 1e3 / (reps * routes)
 
 
 def candidates(block_ns, block_ks, warps):
     return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, k, w in itertools.product(block_ns, block_ks, warps)]
 
 
-def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int) -> list[str]:
-    ref = fn(default)
+def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int, routes: int) -> list[str]:
+    ref = fn(default, 0)
     rows = []
     for tiles in options:
         try:
-            out = fn(tiles)
+            out = fn(tiles, 0)
             ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            us = _time_us(lambda: fn(tiles))
+            us = _time_us(lambda r: fn(tiles, r), routes)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
             rows.append((float("inf"), f"| {tiles} | failed: {type(exc).__name__} | | |"))
             continue
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.moe_tune")
     p.add_argument("--shape", default="qwen3.5-35b-a3b")
     p.add_argument("--tokens", default="1,8")
+    p.add_argument("--routes", type=int, default=16, help="routings per timed graph (experts beyond L2)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -68,21 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     shared_gu = torch.randn(2 * inter, hid, dtype=dt, device=dev) * 0.02
     shared_d = torch.randn(hid, inter, dtype=dt, device=dev) * 0.02
     print(f"{args.shape}: {e} experts, hidden {hid}, moe intermediate {inter}, top-{k} + shared")
+    routes = args.routes
     for n in (int(t) for t in args.tokens.split(",")):
-        logits = torch.randn(n, e + 1, device=dev)
-        ids, wts = mt.route_triton(logits, k, e, True, True)
+        routed = [mt.route_triton(torch.randn(n, e + 1, device=dev), k, e, True, True) for _ in range(routes)]
         x = torch.randn(n, hid, dtype=dt, device=dev)
         h = torch.randn(n * (k + 1), inter, dtype=dt, device=dev)
-        distinct = ids.unique().numel()
-        for line in sweep(f"gate_up, {n} token(s), {distinct} distinct experts",
-                          lambda t: mt.moe_gate_up_triton(x, gate_up, shared_gu, ids, t), mt.GATE_UP_TILES,
-                          candidates([4, 8, 16, 32], [512, 1024, 2048], [4, 8]),
-                          distinct * 2 * inter * hid * 2):
+        distinct = sum(ids.unique().numel() for ids, _ in routed) / routes
+        for line in sweep(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
+                          lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
+                          mt.GATE_UP_TILES, candidates([4, 8, 16, 32], [512, 1024, 2048], [4, 8]),
+                          distinct * 2 * inter * hid * 2, routes):
             print(line)
-        for line in sweep(f"down, {n} token(s), {distinct} distinct experts",
-                          lambda t: mt.moe_down_triton(h, down, shared_d, ids, wts, t), mt.DOWN_TILES,
+        for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
+                          lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.DOWN_TILES,
                           candidates([2, 4, 8, 16], [256, 512], [2, 4, 8]),
-                          distinct * hid * inter * 2):
+                          distinct * hid * inter * 2, routes):
             print(line)
     return 0
 

@@ -39,6 +39,25 @@ class PagedSequenceCache:
     def capacity(self) -> int:
         return 0 if self.kv is None else len(self.pages) * self.kv.page_size
 
+    def kv_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's key and value pages of ``layer`` ``[num_pages, P, Hkv, D]``."""
+        a = self._attn[layer]
+        return self.kv.keys[a], self.kv.values[a]
+
+    def write_rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """Flat pool rows (``page * P + offset``) of the next ``count`` positions, on ``device``."""
+        end = self.num_tokens + count
+        if end > self.capacity:
+            raise RuntimeError(f"KV pages for {self.capacity} tokens, writing up to {end}: reserve first")
+        size = self.kv.page_size
+        pos = torch.arange(self.num_tokens, end)
+        rows = torch.tensor(self.pages, dtype=torch.long)[pos // size] * size + pos % size
+        return rows.to(device, non_blocking=True)
+
+    def gather_kv(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` keys/values of ``layer`` ``[length, Hkv, D]``."""
+        return self.kv.gather(self._attn[layer], self.pages, length)
+
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[t, Hkv, D]`` at positions ``num_tokens ..``; return all keys/values so far."""
         end = self.num_tokens + k.shape[0]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.paged import PagedSequenceCache
 from .fused_linear import fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
@@ -122,6 +123,8 @@ class Attention(nn.Module):
         if batch.decode is not None and on_triton(hidden):
             out = self._decode_fused(q, k, v, batch.positions, batch.decode)
             return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        if on_triton(hidden) and batch.caches and all(isinstance(c, PagedSequenceCache) for c in batch.caches):
+            return self.o_proj(self._prefill_fused(q, k, v, batch).reshape(n, self.num_heads * self.head_dim))
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
@@ -152,23 +155,44 @@ class Attention(nn.Module):
 
     def _decode_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       meta) -> torch.Tensor:
-        """The decode step from the raw projections in three Triton launches: q/k norm + RoPE +
+        """The decode step from the raw projections in two Triton launches: q/k norm + RoPE +
         K/V write (``attention_triton.py``), then paged attention whose merge applies the output
         gate. The torch path of ``forward`` + ``_decode`` is its reference."""
-        from .attention_triton import decode_qkv_triton
-
         a = meta.attn_ordinal[self.layer_idx]
         k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
         n, d = q.shape[0], self.head_dim
-        norm = self.q_norm
-        q_rot = decode_qkv_triton(
-            q, k, v, positions, self.rotary.inv_freq_on(q.device),
-            None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
-            norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
-            meta.write_index, k_pages, v_pages, self.num_heads, 2 * d if self.gated else d)
+        q_rot = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         gate = q.view(n, self.num_heads, 2 * d)[:, :, d:] if self.gated else None
         return paged_decode_attention(q_rot, k_pages, v_pages, meta.block_tables, meta.context_lens,
                                       self.scale, gate)
+
+    def _qkv_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        """q/k norm + RoPE + K/V write into the pages, one Triton launch; the rotated query."""
+        from .attention_triton import decode_qkv_triton
+
+        norm = self.q_norm
+        return decode_qkv_triton(
+            q, k, v, positions, self.rotary.inv_freq_on(q.device),
+            None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
+            norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
+            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim)
+
+    def _prefill_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       batch: ForwardBatch) -> torch.Tensor:
+        """Prompt tokens on paged caches: the decode step's q/k norm + RoPE + K/V write kernel over
+        every new token, then causal attention per sequence over its pages, then the output gate.
+        The torch path of ``forward`` is its reference."""
+        n, d = q.shape[0], self.head_dim
+        caches = batch.caches
+        k_pages, v_pages = caches[0].kv_pages(self.layer_idx)
+        q_rot = self._qkv_fused(q, k, v, batch.positions, batch.kv_write_rows(q.device), k_pages, v_pages)
+        parts = [attend(q_rot[s:e], *c.gather_kv(self.layer_idx, c.num_tokens + e - s), self.scale)
+                 for (s, e), c in zip(batch.slices, caches)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.gated:
+            out = out * torch.sigmoid(q.view(n, self.num_heads, 2 * d)[:, :, d:])
+        return out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence: write K/V into the pool, then paged attention for the batch."""

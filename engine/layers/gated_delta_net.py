@@ -111,44 +111,64 @@ class GatedDeltaNet(nn.Module):
         self._fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         return self._fused is not None
 
+    def project_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``project`` with the conv input as its q, k and v channel groups: each its own GEMM
+        (contiguous) when the run is long (``SPLIT_ROWS``), views otherwise."""
+        sizes = [self.key_dim, self.key_dim, self.value_dim]
+        if self._fused is not None:
+            return split_linear(hidden, self._fused, sizes + [self.value_dim, self.num_v_heads, self.num_v_heads])
+        qkv, z, b, a = self.project(hidden)
+        return (*qkv.split(sizes, dim=-1), z, b, a)
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
         n = hidden.shape[0]
-        qkv, z, b, a = self.project(hidden)
-        if batch.decode is not None and on_triton(hidden):
-            out = self._decode_fused(qkv, a, b, batch.decode)
-            out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
-            return self.out_proj(out.reshape(n, self.value_dim))
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-
         if batch.decode is not None:
-            out = self._decode(qkv, g, beta, batch.decode)
+            qkv, z, b, a = self.project(hidden)
+            if on_triton(hidden):
+                out = self._decode_fused(qkv, a, b, batch.decode)
+            else:
+                g, beta = self._gates(a, b)
+                out = self._decode(qkv, g, beta, batch.decode)
         else:
-            parts = [self._mix_sequence(qkv[start:end], g[start:end], beta[start:end], cache).to(hidden.dtype)
-                     for (start, end), cache in zip(batch.slices, batch.caches) if end > start]
+            q, k, v, z, b, a = self.project_parts(hidden)
+            g, beta = self._gates(a, b)
+            parts = [self._mix_sequence((q[s:e], k[s:e], v[s:e]), g[s:e], beta[s:e], cache).to(hidden.dtype)
+                     for (s, e), cache in zip(batch.slices, batch.caches) if e > s]
             out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
                 hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(n, self.value_dim))
 
-    def _mix_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache) -> torch.Tensor:
-        """Conv + recurrence for one sequence's new tokens; returns ``[T, Hv, V]``."""
-        i, t = self.layer_idx, qkv.shape[0]
-        if qkv.is_cuda:  # fla-core: Triton conv, l2 norms inside the chunked kernel
-            mixed, cache.conv_states[i] = causal_conv1d_fla(qkv, self.conv1d.weight, cache.conv_states[i])
-            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            o, cache.recurrent_states[i] = prefill_gated_delta_rule(
-                q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
-                v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, cache.recurrent_states[i], l2norm_qk=True)
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token and value head: the decay ``g`` (log space) and the write strength ``beta``."""
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b.float())
+
+    def _mix_sequence(self, qkv: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
+                      cache) -> torch.Tensor:
+        """Conv + recurrence for one sequence's new tokens (``qkv``: its q, k, v rows); returns
+        ``[T, Hv, V]``. The depthwise conv runs per channel group, so each output is contiguous."""
+        i, t = self.layer_idx, qkv[0].shape[0]
+        conv = causal_conv1d_fla if qkv[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
+        state, weight = cache.conv_states[i], self.conv1d.weight
+        mixed, states, lo = [], [], 0
+        for x in qkv:
+            hi = lo + x.shape[1]
+            out, new = conv(x, weight[lo:hi], None if state is None else state[:, lo:hi])
+            mixed.append(out)
+            states.append(new)
+            lo = hi
+        cache.conv_states[i] = torch.cat(states, dim=1)
+        q = mixed[0].reshape(t, self.num_k_heads, self.head_k_dim)
+        k = mixed[1].reshape(t, self.num_k_heads, self.head_k_dim)
+        v = mixed[2].reshape(t, self.num_v_heads, self.head_v_dim)
+        if qkv[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
+            o, cache.recurrent_states[i] = prefill_gated_delta_rule(q, k, v, g, beta, cache.recurrent_states[i],
+                                                                    l2norm_qk=True)
             return o
-        mixed, cache.conv_states[i] = causal_conv1d(qkv, self.conv1d.weight, cache.conv_states[i])
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim))
-        k = l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim))
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
-        o, cache.recurrent_states[i] = rule(q, k, v, g, beta, cache.recurrent_states[i])
+        o, cache.recurrent_states[i] = rule(l2norm(q), l2norm(k), v, g, beta, cache.recurrent_states[i])
         return o
 
     def _decode_fused(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Triton kernels for the norms: RMSNorm (plain or zero-centred) and the GDN gated RMSNorm.
 
-One program per row, fp32 math, one read and one write of the row. References: ``norm.RMSNorm``
+One program per row (the gated norm: a tile of rows for long runs), fp32 math, one read and one
+write of each row. References: ``norm.RMSNorm``
 and ``gated_delta_net.GatedRMSNorm`` (their torch code), used on the CPU and by the tests.
 """
 from __future__ import annotations
@@ -46,14 +47,18 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``ROWS`` rows per program: the rows are one head wide (128), too short to keep a program busy."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _normalize(x, w_ptr, cols, mask, D, eps, False) * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = x * inv[:, None] * w[None, :] * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _warps(block: int) -> int:
@@ -97,6 +102,8 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
     x2, z2 = x.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
     out = torch.empty_like(x2)
-    if x2.shape[0]:
-        _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, d, eps, BLOCK=triton.next_power_of_2(d))
+    n, block = x2.shape[0], triton.next_power_of_2(d)
+    rows = 1 if n < 4096 else max(1, 2048 // block)  # decode: a program per row, for parallelism
+    if n:
+        _gated_rms_norm_kernel[(triton.cdiv(n, rows),)](x2, z2, weight, out, n, d, eps, ROWS=rows, BLOCK=block)
     return out.view(x.shape)

@@ -10,7 +10,7 @@ once all layers have run, advances each ``cache.num_tokens`` by that sequence's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -44,6 +44,7 @@ class ForwardBatch:
     seq_lens: list[int]  # new tokens per sequence, sum == N
     caches: list[Any]  # one per sequence, in the same order (SequenceCache or PagedSequenceCache)
     decode: DecodeMeta | None = None  # set for batched decode steps over the pools
+    _write_rows: torch.Tensor | None = field(default=None, repr=False)  # kv_write_rows, once built
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -52,6 +53,13 @@ class ForwardBatch:
             out.append((start, start + n))
             start += n
         return out
+
+    def kv_write_rows(self, device: torch.device) -> torch.Tensor:
+        """Flat KV pool rows of every new token (paged caches), the same for every attention layer:
+        built once per forward."""
+        if self._write_rows is None:
+            self._write_rows = torch.cat([c.write_rows(e - s, device) for (s, e), c in zip(self.slices, self.caches)])
+        return self._write_rows
 
     def advance_caches(self) -> None:
         """Count the new tokens into each cache; a model calls this once, at the end of ``forward``."""

@@ -55,12 +55,13 @@ def test_add_rms_norm():
     assert rel_err(out, norm.cpu()(ref_res.cpu()).cuda()) < 1e-2
 
 
-def test_gated_rms_norm():
+@pytest.mark.parametrize("tokens", [64, 1001])  # 1001 x 48 rows: the tiled (prefill) form, a ragged tail
+def test_gated_rms_norm(tokens):
     from ninfer.engine.layers.gated_delta_net import GatedRMSNorm
 
     norm = GatedRMSNorm(128).cuda()
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
-    x = torch.randn(64, 48, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, 48, 128, device="cuda", dtype=torch.bfloat16)
     z = torch.randn_like(x)
     out = norm(x, z)
     ref = norm.cpu()(x.cpu().float(), z.cpu().float()).cuda()

@@ -94,3 +94,12 @@ def test_overlapped_graph_decode_keeps_every_output(name, tmp_path_factory):
     assert ahead >= 5
     assert overlapped == plain
     check_scenario(plain, specs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_fused_prefill_attention_matches_torch_path(name, tmp_path_factory, monkeypatch):
+    from support.kernel_cases import check_prefill_attention
+
+    ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
+    check_prefill_attention(monkeypatch, load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer, "cuda",
+                            page_size=16, tol=2e-2)  # the Triton kernel's dots in tf32

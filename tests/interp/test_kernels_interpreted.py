@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from support.decode_paths import BUILDERS, load_parts, run
-from support.kernel_cases import check_attention_decode, check_gdn_decode, check_moe_block, rel_err
+from support.kernel_cases import check_prefill_attention, check_attention_decode, check_gdn_decode, check_moe_block, rel_err
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -45,8 +45,9 @@ def test_norm_kernels():
     assert rel_err(out, norm(x + res)) < 1e-5
     gated = GatedRMSNorm(32)
     torch.nn.init.normal_(gated.weight, 1.0, 0.3)
-    x, z = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
-    assert rel_err(gated_rms_norm_triton(x, z, gated.weight, gated.eps), gated(x, z)) < 1e-5
+    for tokens in (4, 700):  # 700 x 6 rows: tiles of rows, the last one ragged
+        x, z = torch.randn(tokens, 6, 32), torch.randn(tokens, 6, 32)
+        assert rel_err(gated_rms_norm_triton(x, z, gated.weight, gated.eps), gated(x, z)) < 1e-5
     g, u = torch.randn(3, 100), torch.randn(3, 100)
     assert rel_err(silu_mul_triton(g, u), torch.nn.functional.silu(g) * u) < 1e-5
 
@@ -73,7 +74,7 @@ def test_moe_block(tokens, gemv_limit, shared, monkeypatch):
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, monkeypatch):
     """Tiny models decoding greedily through every fused decode kernel give the tokens the
-    per-sequence torch path gives."""
+    per-sequence path gives."""
     from ninfer.engine.layers import moe
 
     parts = load_parts(name, tmp_path_factory)
@@ -81,6 +82,12 @@ def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, mon
     # interpreter the GEMVs would run thousands of programs for a prefill)
     monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 3 * (parts[0].config.num_experts_per_tok + 1))
     assert run(parts, True, requests=3, max_tokens=5) == run(parts, False, requests=3, max_tokens=5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_fused_prefill_attention_matches_torch_path(name, tmp_path_factory, monkeypatch):
+    model, tok = load_parts(name, tmp_path_factory)
+    check_prefill_attention(monkeypatch, model, tok, "cpu", page_size=4, tol=1e-4)
 
 
 def test_assignments_grouped_by_expert_in_whole_blocks():

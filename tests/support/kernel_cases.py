@@ -113,3 +113,32 @@ def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, h
         ref_fused = block(x)
     assert torch.equal(ref, ref_fused)  # fusing the router rows changes nothing on the torch path
     assert rel_err(block(x), ref) < 2e-2
+
+
+def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int, tol: float) -> None:
+    """Prompt chunks of two sequences in one forward, then a second chunk each (keys read back from
+    older pages, writes across page boundaries): attention through the fused q/k norm + RoPE + K/V
+    write kernel gives the logits of the torch attention path (whole model)."""
+    from ninfer.engine.cache.manager import CacheManager
+    from ninfer.engine.layers import attention as attention_mod
+    from ninfer.engine.models.base import ForwardBatch
+
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 2)
+    chunks = [(ids[:11], ids[3:10]), (ids[11:20], ids[10:15])]
+    dtype = next(model.parameters()).dtype
+
+    def logits(fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(attention_mod, "on_triton", lambda x: fused)
+        caches = CacheManager(model.config, 64 // page_size, page_size, 2, dtype, device)
+        seqs = [caches.open(), caches.open()]
+        out = []
+        for step in chunks:
+            for cache, chunk in zip(seqs, step):
+                assert caches.reserve(cache, cache.num_tokens + len(chunk))
+            positions = torch.cat([torch.arange(c.num_tokens, c.num_tokens + len(x)) for c, x in zip(seqs, step)])
+            batch = ForwardBatch(positions=positions.to(device), seq_lens=[len(x) for x in step], caches=seqs)
+            with torch.inference_mode():
+                out.append(model.compute_logits(model(torch.tensor(step[0] + step[1], device=device), batch)))
+        return torch.cat(out).float()
+
+    assert rel_err(logits(True), logits(False)) < tol
