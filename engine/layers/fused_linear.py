@@ -24,9 +24,10 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
     return fused
 
 
-# Above this many rows (prefill) each part gets its own GEMM: the parts come out contiguous, so
-# the kernels after them need no strided copies, and a GEMM this tall is efficient on its own.
-SPLIT_ROWS = 256
+# Above this many rows (long prefill chunks) each part gets its own GEMM: the parts come out
+# contiguous, so the kernels after them need no strided copies, and a GEMM this tall is efficient
+# on its own. Shorter runs keep one GEMM: there the extra launches cost more than the copies.
+SPLIT_ROWS = 2048
 
 
 def split_linear(x: torch.Tensor, fused: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:

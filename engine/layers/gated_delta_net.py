@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_linear
 from .fused_linear import fuse_linears, split_linear
 from .triton_switch import on_triton
 from .gdn_ops import (
@@ -111,14 +112,17 @@ class GatedDeltaNet(nn.Module):
         self._fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         return self._fused is not None
 
-    def project_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``project`` with the conv input as its q, k and v channel groups: each its own GEMM
-        (contiguous) when the run is long (``SPLIT_ROWS``), views otherwise."""
-        sizes = [self.key_dim, self.key_dim, self.value_dim]
-        if self._fused is not None:
-            return split_linear(hidden, self._fused, sizes + [self.value_dim, self.num_v_heads, self.num_v_heads])
+    def project_parts(self, hidden: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+        """Prefill's ``project``: the conv input as one ``[N, conv_dim]`` tensor, or, for a run
+        longer than ``fused_linear.SPLIT_ROWS``, as its q, k and v channel groups, each from its
+        own GEMM (contiguous, so fla's chunked kernel needs no copies); then z, b, a."""
+        if self._fused is not None and hidden.shape[0] > fused_linear.SPLIT_ROWS:
+            q, k, v, z, b, a = split_linear(hidden, self._fused, [self.key_dim, self.key_dim, self.value_dim,
+                                                                  self.value_dim, self.num_v_heads, self.num_v_heads])
+            return (q, k, v), z, b, a
         qkv, z, b, a = self.project(hidden)
-        return (*qkv.split(sizes, dim=-1), z, b, a)
+        return (qkv,), z, b, a
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
@@ -131,9 +135,9 @@ class GatedDeltaNet(nn.Module):
                 g, beta = self._gates(a, b)
                 out = self._decode(qkv, g, beta, batch.decode)
         else:
-            q, k, v, z, b, a = self.project_parts(hidden)
+            groups, z, b, a = self.project_parts(hidden)
             g, beta = self._gates(a, b)
-            parts = [self._mix_sequence((q[s:e], k[s:e], v[s:e]), g[s:e], beta[s:e], cache).to(hidden.dtype)
+            parts = [self._mix_sequence(tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache).to(hidden.dtype)
                      for (s, e), cache in zip(batch.slices, batch.caches) if e > s]
             out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
                 hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
@@ -145,25 +149,28 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         return g, torch.sigmoid(b.float())
 
-    def _mix_sequence(self, qkv: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
+    def _mix_sequence(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
                       cache) -> torch.Tensor:
-        """Conv + recurrence for one sequence's new tokens (``qkv``: its q, k, v rows); returns
-        ``[T, Hv, V]``. The depthwise conv runs per channel group, so each output is contiguous."""
-        i, t = self.layer_idx, qkv[0].shape[0]
-        conv = causal_conv1d_fla if qkv[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
+        """Conv + recurrence for one sequence's new tokens; returns ``[T, Hv, V]``. ``groups``: its
+        qkv rows whole, or as q, k, v (the depthwise conv then runs per group, each output
+        contiguous)."""
+        i, t = self.layer_idx, groups[0].shape[0]
+        conv = causal_conv1d_fla if groups[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
         state, weight = cache.conv_states[i], self.conv1d.weight
         mixed, states, lo = [], [], 0
-        for x in qkv:
+        for x in groups:
             hi = lo + x.shape[1]
             out, new = conv(x, weight[lo:hi], None if state is None else state[:, lo:hi])
             mixed.append(out)
             states.append(new)
             lo = hi
-        cache.conv_states[i] = torch.cat(states, dim=1)
+        cache.conv_states[i] = states[0] if len(states) == 1 else torch.cat(states, dim=1)
+        if len(mixed) == 1:
+            mixed = mixed[0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = mixed[0].reshape(t, self.num_k_heads, self.head_k_dim)
         k = mixed[1].reshape(t, self.num_k_heads, self.head_k_dim)
         v = mixed[2].reshape(t, self.num_v_heads, self.head_v_dim)
-        if qkv[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
+        if groups[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
             o, cache.recurrent_states[i] = prefill_gated_delta_rule(q, k, v, g, beta, cache.recurrent_states[i],
                                                                     l2norm_qk=True)
             return o

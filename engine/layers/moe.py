@@ -27,6 +27,11 @@ from .mlp import GatedMLP
 from .triton_switch import on_triton
 
 DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the grouped GEMVs, more the GEMM
+# Prompt chunks this long run the experts as a loop of cuBLAS GEMMs over tokens grouped by expert
+# (one host read of the per-expert counts, so never inside a CUDA-graph capture): on an H200 at
+# the 35B-A3B shape that loop prefilled 16K tokens at 14,800 tok/s against the grouped Triton
+# GEMM's 6,400-6,800, while at 512 tokens the grouped GEMM is 10x faster (bench/RESULTS.md).
+LOOP_MIN_TOKENS = 4096
 
 
 class FusedExperts(nn.Module):
@@ -106,7 +111,8 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_triton(x):
+        if on_triton(x) and not (x.shape[0] >= LOOP_MIN_TOKENS and x.is_cuda
+                                 and not torch.cuda.is_current_stream_capturing()):
             return self._forward_kernels(x)
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)

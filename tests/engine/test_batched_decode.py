@@ -50,3 +50,29 @@ def test_fused_projections_keep_the_logits(parts):
     assert fuse_model_projections(model) > 0
     assert {n for n, _ in model.named_parameters()} == names
     torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
+
+
+def test_long_prefill_split_projections_keep_the_logits(parts, monkeypatch):
+    """Past ``SPLIT_ROWS`` tokens the fused projections run one GEMM per part and the GDN conv
+    runs per q / k / v group; a prompt in two chunks (the conv state carried across) gives the
+    logits of the one-GEMM path."""
+    from ninfer.engine.layers import fused_linear
+    from ninfer.engine.models.base import ForwardBatch
+
+    model, tok = parts
+    fused_linear.fuse_model_projections(model)
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 2)
+
+    def logits(split_rows: int) -> torch.Tensor:
+        monkeypatch.setattr(fused_linear, "SPLIT_ROWS", split_rows)
+        cache, out = model.new_cache(), []
+        with torch.inference_mode():
+            for chunk in (ids[:13], ids[13:]):
+                hidden = model(torch.tensor(chunk), ForwardBatch.single(len(chunk), cache))
+                out.append(model.compute_logits(hidden))
+        return torch.cat(out)
+
+    split, whole = logits(4), logits(10_000)
+    # fp32 GEMMs blocked differently round differently; a wrong channel group or conv state would
+    # be off by the logits' own size
+    assert ((split - whole).norm() / whole.norm()).item() < 1e-4
