@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the GPU tests, then the benchmarks the GPU targets are read from.
 #   bash bench/gpu_check.sh [OUT_DIR]     (default bench/out; logs, tables and JSON land there)
-# Needs a CUDA build of torch with Triton, fla-core and the test extras; about 9 minutes on an
+# Needs a CUDA build of torch with Triton, fla-core and the test extras; about 9.5 minutes on an
 # H200 with a cold Triton cache (the tests compile most kernels, the benchmarks reuse them).
 set -u
 cd "$(dirname "$0")/.."
