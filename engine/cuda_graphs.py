@@ -28,8 +28,9 @@ class _Stage:
 
     def __init__(self, n: int, max_pages: int, pad: tuple[int, int, int]) -> None:
         self.n, self.max_pages, self.pad = n, max_pages, pad
-        self.wide = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
-        self.narrow = torch.zeros(n + n * max_pages, dtype=torch.int32, pin_memory=True)
+        pin = torch.cuda.is_available()  # pinned, so the copies are truly asynchronous
+        self.wide = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
+        self.narrow = torch.zeros(n + n * max_pages, dtype=torch.int32, pin_memory=pin)
         self.tables = self.narrow[n:].view(n, max_pages)
         self.keys: list[tuple[object, int] | None] = [None] * n  # (cache, pages) each table row holds
         self.rows = n

@@ -1,0 +1,72 @@
+"""The host stage of a captured decode step: what each row of the graph's inputs holds as the
+batch grows, shrinks and changes members, with block-table rows rewritten only when needed."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ninfer.engine.cuda_graphs import _Stage
+
+PAGE = 4
+PAD = (9, 9 * PAGE, 7)  # padding page, its first row, padding slot
+
+
+def request(prompt: int, pages: list[int], slot: int, computed: int | None = None):
+    """A decoding request whose cache holds ``prompt`` tokens; its next token is ``100 + prompt``."""
+    req = SimpleNamespace(cache=SimpleNamespace(num_tokens=prompt, pages=pages, slot=slot),
+                          num_computed=prompt if computed is None else computed, num_tokens=prompt + 1)
+    req.token_at = lambda i: 100 + i
+    return req
+
+
+def rows(stage: _Stage, n: int):
+    lens, tables = stage.narrow[: stage.n], stage.tables
+    return [(stage.wide[:, i].tolist(), int(lens[i]), tables[i].tolist()) for i in range(n)]
+
+
+def test_stage_rows_follow_the_batch():
+    stage = _Stage(3, 4, PAD)
+    a, b = request(5, [2, 3], 0), request(2, [4], 1)
+    stage.fill([a, b], PAGE)
+    assert rows(stage, 3) == [
+        ([105, 5, 3 * PAGE + 1, 0], 6, [2, 3, 9, 9]),
+        ([102, 2, 4 * PAGE + 2, 1], 3, [4, 9, 9, 9]),
+        ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9]),  # padding row
+    ]
+    # a grows into a new page; b leaves, so its row becomes padding again
+    a.cache.num_tokens, a.num_computed, a.num_tokens = 8, 8, 9
+    a.cache.pages = [2, 3, 6]
+    stage.fill([a], PAGE)
+    assert rows(stage, 2) == [([108, 8, 6 * PAGE, 0], 9, [2, 3, 6, 9]), ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9])]
+
+
+def test_table_rows_are_rewritten_only_when_pages_change(monkeypatch):
+    stage = _Stage(2, 4, PAD)
+    a = request(5, [2, 3], 0)
+    stage.fill([a], PAGE)
+    writes = []
+    real = torch.tensor
+
+    def counting(data, *args, **kw):
+        if isinstance(data, list) and len(data) == 4 and kw.get("dtype") is torch.int32:
+            writes.append(data)
+        return real(data, *args, **kw)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    a.cache.num_tokens, a.num_computed, a.num_tokens = 6, 6, 7  # same pages
+    stage.fill([a], PAGE)
+    assert writes == []
+    b = request(1, [5], 1)  # a different sequence in row 0, same number of pages as nothing
+    stage.fill([b], PAGE)
+    assert writes == [[5, 9, 9, 9]] and rows(stage, 1)[0][2] == [5, 9, 9, 9]
+
+
+def test_a_token_not_yet_read_is_left_for_the_device():
+    """Launched ahead, the next input is still on the device: the stage holds a placeholder."""
+    stage = _Stage(1, 2, PAD)
+    ahead = request(5, [2, 3], 0, computed=6)
+    ahead.num_tokens = 6  # the token at position 6 has not been read back
+    ahead.cache.num_tokens = 6
+    stage.fill([ahead], PAGE)
+    assert rows(stage, 1)[0][0] == [0, 6, 3 * PAGE + 2, 0]
