@@ -274,7 +274,7 @@ def table(results: dict, ceilings: dict) -> str:
             hf_txt = f"{h['tok_s']:.1f}; {h['generate_tok_s']:.1f} tok/s" if "tok_s" in h else h.get("error", "-")
             graph = f", graph {d['graph_ms']:.2f} ms" if d.get("graph_ms") else ""
             rows.append(f"| {name} | decode b={b} | {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.2f} ms{graph}) | {hf_txt} | "
-                        f"{ratio} | {d['bytes_per_step'] / 1e9:.2f} GB | {floor_ms:.2f} | {100 * floor_ms / d['ms_per_step']:.0f}% |")
+                        f"{ratio} | {d['bytes_per_step'] / 1e9:.2f} GB | {floor_ms:.2f} | {100 * floor_ms / d['ms_per_step']:.1f}% |")
         for n, p in ours["prefill"].items():
             h = hf.get("prefill", {}).get(n, {})
             hf_txt = f"{h['tok_s']:.0f} tok/s" if "tok_s" in h else h.get("error", "-")

@@ -44,3 +44,5 @@ def test_peer_harness_on_cpu_reads_both_decode_figures_and_the_table_shows_them(
     loop, gen = hf["decode"][1]["tok_s"], hf["decode"][1]["generate_tok_s"]
     assert f"{loop:.1f}; {gen:.1f} tok/s" in row
     assert f"{ours['decode'][1]['tok_s'] / gen:.1f}x" in row
+    floor_ms = ours["decode"][1]["bytes_per_step"] / 10e9 * 1e3  # one decimal: 84.6% is not 85%
+    assert row.endswith(f"| {100 * floor_ms / ours['decode'][1]['ms_per_step']:.1f}% |")
