@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the GPU tests, then the benchmarks the GPU targets are read from.
-#   bash bench/gpu_check.sh [OUT_DIR]     (default bench/out; logs, tables and JSON land there)
+#   bash bench/gpu_check.sh [OUT_DIR] [PARTS]   (default bench/out; logs, tables and JSON land there)
+# PARTS: "all" (default: tests, then bench), "tests", "bench", or "tune" (bench.moe_tune), so a
+# machine that limits one command's time can take the run in two calls.
 # Needs a CUDA build of torch with Triton, fla-core and the test extras; about 9.5 minutes on an
 # H200 with a cold Triton cache (the tests compile most kernels, the benchmarks reuse them).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
+parts=${2:-all}
+case "$parts" in all | tests | bench | tune) ;; *) echo "unknown PARTS: $parts (all, tests, bench, tune)" >&2; exit 2 ;; esac
 mkdir -p "$out"
 py=${PYTHON:-python}
 status=0
@@ -16,11 +20,18 @@ run() {  # run NAME COMMAND...: log to $out/NAME.txt, keep going, remember a fai
     "$@" >"$out/$name.txt" 2>&1 || { echo "$name failed (rc $?)"; status=1; }
     tail -n 12 "$out/$name.txt"
 }
-run gpu-tests "$py" -m pytest -q tests/gpu -p no:cacheprovider
-run qwen3.5-27b "$py" -m bench.decode --shape qwen3.5-27b --batches 1,8 --prefill 16384 --steps 16 \
-    --hf-batches 1 --hf-prefill 16384 --json "$out/qwen3.5-27b.json"
-run qwen3.5-35b-a3b "$py" -m bench.decode --shape qwen3.5-35b-a3b --batches 1,8 --prefill 512,16384 --steps 16 \
-    --no-hf --json "$out/qwen3.5-35b-a3b.json"
-run qwen3.5-0.8b "$py" -m bench.decode --shape qwen3.5-0.8b --batches 1 --prefill 512 --steps 32 --no-hf \
-    --json "$out/qwen3.5-0.8b.json"
+if [ "$parts" = all ] || [ "$parts" = tests ]; then
+    run gpu-tests "$py" -m pytest -q tests/gpu -p no:cacheprovider
+fi
+if [ "$parts" = all ] || [ "$parts" = bench ]; then
+    run qwen3.5-27b "$py" -m bench.decode --shape qwen3.5-27b --batches 1,8 --prefill 16384 --steps 16 \
+        --hf-batches 1 --hf-prefill 16384 --json "$out/qwen3.5-27b.json"
+    run qwen3.5-35b-a3b "$py" -m bench.decode --shape qwen3.5-35b-a3b --batches 1,8 --prefill 512,16384 \
+        --steps 16 --no-hf --json "$out/qwen3.5-35b-a3b.json"
+    run qwen3.5-0.8b "$py" -m bench.decode --shape qwen3.5-0.8b --batches 1 --prefill 512 --steps 32 --no-hf \
+        --json "$out/qwen3.5-0.8b.json"
+fi
+if [ "$parts" = tune ]; then
+    run moe-tune "$py" -m bench.moe_tune --shape qwen3.5-35b-a3b --tokens 1,8
+fi
 exit "$status"
