@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
 from .models.base import CausalLM, DecodeMeta, ForwardBatch
 from .request import Request
@@ -56,7 +57,7 @@ class _Stage:
             p = cache.num_tokens
             ids.append(req.token_at(req.num_computed) if req.num_computed < req.num_tokens else 0)
             pos.append(req.num_computed)
-            writes.append(cache.pages[p // page_size] * page_size + p % page_size)
+            writes.append(pool_row(cache.pages, p, page_size))
             slots.append(cache.slot if cache.slot is not None else 0)
             lens.append(p + 1)
             key = self.keys[i]

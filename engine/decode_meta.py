@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
 from .models.base import DecodeMeta
 from .request import Request
@@ -18,7 +19,7 @@ def decode_rows(reqs: list[Request], page_size: int, max_pages: int, pad_page: i
         pos = cache.num_tokens
         tables.append(cache.pages + [pad_page] * (max_pages - len(cache.pages)))
         lens.append(pos + 1)
-        writes.append(cache.pages[pos // page_size] * page_size + pos % page_size if cache.pages else 0)
+        writes.append(pool_row(cache.pages, pos, page_size) if cache.pages else 0)
         slots.append(cache.slot if cache.slot is not None else 0)
     return tables, lens, writes, slots
 

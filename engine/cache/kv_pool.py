@@ -13,6 +13,11 @@ class OutOfPagesError(RuntimeError):
     pass
 
 
+def pool_row(table: list[int], pos: int, page_size: int) -> int:
+    """Flat pool row (``page * P + offset``) of token ``pos`` of a sequence with block table ``table``."""
+    return table[pos // page_size] * page_size + pos % page_size
+
+
 class PagedKVPool:
     def __init__(self, num_attn_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -50,13 +55,16 @@ class PagedKVPool:
         self._free.extend(reversed(pages))
         pages.clear()
 
+    def flat_rows(self, table: list[int], start: int, count: int, device: torch.device | str) -> torch.Tensor:
+        """:func:`pool_row` of token positions ``start .. start + count``, on ``device``."""
+        pos = torch.arange(start, start + count, device=device)
+        return torch.tensor(table, device=device)[pos // self.page_size] * self.page_size + pos % self.page_size
+
     def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``[t, Hkv, D]`` keys/values for token positions ``start .. start + t``."""
-        pos = torch.arange(start, start + k.shape[0], device=k.device)
-        pages = torch.tensor(table, device=k.device)[pos // self.page_size]
-        rows = pos % self.page_size
-        self.keys[layer, pages, rows] = k.to(self.keys.dtype)
-        self.values[layer, pages, rows] = v.to(self.values.dtype)
+        rows = self.flat_rows(table, start, k.shape[0], k.device)
+        self.keys[layer].view(-1, *k.shape[1:])[rows] = k.to(self.keys.dtype)
+        self.values[layer].view(-1, *v.shape[1:])[rows] = v.to(self.values.dtype)
 
     def gather(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` keys/values of a sequence, ``[length, Hkv, D]`` each."""

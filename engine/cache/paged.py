@@ -44,15 +44,14 @@ class PagedSequenceCache:
         a = self._attn[layer]
         return self.kv.keys[a], self.kv.values[a]
 
-    def write_rows(self, count: int, device: torch.device) -> torch.Tensor:
-        """Flat pool rows (``page * P + offset``) of the next ``count`` positions, on ``device``."""
-        end = self.num_tokens + count
+    def _check_room(self, end: int) -> None:
         if end > self.capacity:
             raise RuntimeError(f"KV pages for {self.capacity} tokens, writing up to {end}: reserve first")
-        size = self.kv.page_size
-        pos = torch.arange(self.num_tokens, end)
-        rows = torch.tensor(self.pages, dtype=torch.long)[pos // size] * size + pos % size
-        return rows.to(device, non_blocking=True)
+
+    def write_rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """Flat pool rows (``page * P + offset``) of the next ``count`` positions, on ``device``."""
+        self._check_room(self.num_tokens + count)
+        return self.kv.flat_rows(self.pages, self.num_tokens, count, device)
 
     def gather_kv(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` keys/values of ``layer`` ``[length, Hkv, D]``."""
@@ -61,8 +60,7 @@ class PagedSequenceCache:
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[t, Hkv, D]`` at positions ``num_tokens ..``; return all keys/values so far."""
         end = self.num_tokens + k.shape[0]
-        if end > self.capacity:
-            raise RuntimeError(f"KV pages for {self.capacity} tokens, writing up to {end}: reserve first")
+        self._check_room(end)
         a = self._attn[layer]
         self.kv.write(a, self.pages, self.num_tokens, k, v)
         if self.num_tokens == 0:  # nothing older: the new keys are all of them

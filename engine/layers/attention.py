@@ -160,11 +160,14 @@ class Attention(nn.Module):
         gate. The torch path of ``forward`` + ``_decode`` is its reference."""
         a = meta.attn_ordinal[self.layer_idx]
         k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
-        n, d = q.shape[0], self.head_dim
         q_rot = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
-        gate = q.view(n, self.num_heads, 2 * d)[:, :, d:] if self.gated else None
         return paged_decode_attention(q_rot, k_pages, v_pages, meta.block_tables, meta.context_lens,
-                                      self.scale, gate)
+                                      self.scale, self._gate(q))
+
+    def _gate(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The output gate ``[N, H, D]`` interleaved in the raw query rows (gated attention), a view."""
+        d = self.head_dim
+        return q.view(q.shape[0], self.num_heads, 2 * d)[:, :, d:] if self.gated else None
 
     def _qkv_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
@@ -183,16 +186,13 @@ class Attention(nn.Module):
         """Prompt tokens on paged caches: the decode step's q/k norm + RoPE + K/V write kernel over
         every new token, then causal attention per sequence over its pages, then the output gate.
         The torch path of ``forward`` is its reference."""
-        n, d = q.shape[0], self.head_dim
         caches = batch.caches
         k_pages, v_pages = caches[0].kv_pages(self.layer_idx)
         q_rot = self._qkv_fused(q, k, v, batch.positions, batch.kv_write_rows(q.device), k_pages, v_pages)
         parts = [attend(q_rot[s:e], *c.gather_kv(self.layer_idx, c.num_tokens + e - s), self.scale)
                  for (s, e), c in zip(batch.slices, caches)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self.gated:
-            out = out * torch.sigmoid(q.view(n, self.num_heads, 2 * d)[:, :, d:])
-        return out
+        return out * torch.sigmoid(self._gate(q)) if self.gated else out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence: write K/V into the pool, then paged attention for the batch."""

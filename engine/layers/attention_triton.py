@@ -1,11 +1,12 @@
-"""Triton kernel for the front of a decode attention step: q/k norm, RoPE and the KV-cache write.
+"""Triton kernel for the front of an attention layer on paged caches: q/k norm, RoPE and the
+KV-cache write, for decode steps and for prompt tokens alike.
 
-One program per (sequence, head): query heads are normalised (plain or zero-centred RMSNorm,
+One program per (token row, head): query heads are normalised (plain or zero-centred RMSNorm,
 optional), rotated (neox layout on the first ``rotary_dim`` dims, angles ``position * inv_freq``
 in fp32) and written to a packed ``[B, H, D]`` query; key heads get the same treatment and are
-written with their value rows straight into the sequence's page row. This replaces about twenty
-small torch ops per attention layer. Reference: ``Attention._prepare_decode_ref`` (the module's
-own torch path: ``RMSNorm``, ``RotaryEmbedding``, ``index_copy_``).
+written with their value rows straight into the row's page slot (``write_index``). This replaces
+about twenty small torch ops per attention layer. Reference: the module's own torch path in
+``Attention.forward`` (``RMSNorm``, ``RotaryEmbedding``, the cache's K/V write).
 """
 from __future__ import annotations
 

@@ -27,11 +27,16 @@ CHUNK_TOKENS = 4096  # tokens per launch pair: bounds the [tokens * k, H] interm
 
 
 @triton.jit
-def _block_rows(rows_ptr, pid_m, BLOCK_M: tl.constexpr):
-    """The assignments of block ``pid_m`` (clamped to 0 on padding rows) and which rows are real."""
+def _block_tile(rows_ptr, pid_m, e, w_ptr, shared_ptr, SHARED, N, stride_we, stride_wn, stride_sn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ``pid_m``'s tile: its assignments (clamped to 0 on padding rows), which rows are real,
+    the output columns of this program, which of them exist (< ``N``), and pointers to expert
+    ``e``'s weight rows for those columns ``[1, BLOCK_N]``."""
     assign = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = assign >= 0
-    return tl.where(valid, assign, 0).to(tl.int64), valid
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_col = expert_rows(w_ptr, shared_ptr, e, SHARED, cols, stride_we, stride_wn, stride_sn)[None, :]
+    return tl.where(valid, assign, 0).to(tl.int64), valid, cols, cols < N, w_col
 
 
 @triton.jit
@@ -42,11 +47,9 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
-        assign, valid = _block_rows(rows_ptr, pid_m, BLOCK_M)
+        assign, valid, cols, cmask, w_col = _block_tile(rows_ptr, pid_m, e, w_ptr, shared_ptr, SHARED, I, stride_we,
+                                                        stride_wn, stride_sn, BLOCK_M, BLOCK_N)
         token = assign // TOP_K
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < I
-        w_col = expert_rows(w_ptr, shared_ptr, e, SHARED, cols, stride_we, stride_wn, stride_sn)[None, :]
         up_off = tl.where(e == SHARED, I * stride_sn, I * stride_wn)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -75,10 +78,8 @@ def _grouped_down_kernel(h_ptr, w_ptr, shared_ptr, rows_ptr, block_expert_ptr, w
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e <= LAST:  # blocks past the last expert's run do nothing
-        a_row, valid = _block_rows(rows_ptr, pid_m, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < HID
-        w_col = expert_rows(w_ptr, shared_ptr, e, SHARED, cols, stride_we, stride_wn, stride_sn)[None, :]
+        a_row, valid, cols, cmask, w_col = _block_tile(rows_ptr, pid_m, e, w_ptr, shared_ptr, SHARED, HID, stride_we,
+                                                       stride_wn, stride_sn, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
