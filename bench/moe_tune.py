@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         distinct = sum(ids.unique().numel() for ids, _ in routed) / routes
         for line in sweep(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
                           lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
-                          mt.GATE_UP_TILES, candidates([4, 8, 16, 32], [512, 1024, 2048], [4, 8]),
+                          mt.GATE_UP_TILES, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
                           distinct * 2 * inter * hid * 2, routes):
             print(line)
         for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
                           lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.DOWN_TILES,
-                          candidates([2, 4, 8, 16], [256, 512], [2, 4, 8]),
+                          candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8]),
                           distinct * hid * inter * 2, routes):
             print(line)
     return 0
