@@ -21,6 +21,9 @@ class StateSlotPool:
         self.conv = torch.zeros((num_gdn_layers, num_slots, *conv_shape), dtype=dtype, device=device)
         self.recurrent = torch.zeros((num_gdn_layers, num_slots, *recurrent_shape), dtype=torch.float32,
                                      device=device)
+        # per slot and value head: arrivals of the fused GDN decode step's programs, by which the
+        # last reader of a key head's conv state knows it may shift it (gdn_decode_triton.py)
+        self.step_counts = torch.zeros((num_slots, recurrent_shape[0]), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
 
     @staticmethod

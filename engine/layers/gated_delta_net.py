@@ -130,10 +130,9 @@ class GatedDeltaNet(nn.Module):
         if batch.decode is not None:
             qkv, z, b, a = self.project(hidden)
             if on_triton(hidden):
-                out = self._decode_fused(qkv, a, b, batch.decode)
-            else:
-                g, beta = self._gates(a, b)
-                out = self._decode(qkv, g, beta, batch.decode)
+                return self.out_proj(self._decode_fused(qkv, z, a, b, batch.decode))
+            g, beta = self._gates(a, b)
+            out = self._decode(qkv, g, beta, batch.decode)
         else:
             groups, z, b, a = self.project_parts(hidden)
             g, beta = self._gates(a, b)
@@ -178,19 +177,21 @@ class GatedDeltaNet(nn.Module):
         o, cache.recurrent_states[i] = rule(l2norm(q), l2norm(k), v, g, beta, cache.recurrent_states[i])
         return o
 
-    def _decode_fused(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta) -> torch.Tensor:
-        """The decode step as two Triton kernels working in place on the slots (CUDA)."""
-        from .gdn_decode_triton import conv_step_triton, recurrent_step_triton
+    def _decode_fused(self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      meta) -> torch.Tensor:
+        """The decode step up to ``out_proj``'s input (conv, recurrence, gated output norm) as one
+        Triton kernel working in place on the slots (CUDA)."""
+        from .gdn_decode_triton import gdn_decode_step_triton
 
         gi = meta.gdn_ordinal[self.layer_idx]
-        mixed = conv_step_triton(qkv, meta.states.conv[gi], self.conv1d.weight, meta.slot_ids)
-        return recurrent_step_triton(mixed, a, b, self.A_log, self.dt_bias, meta.states.recurrent[gi],
-                                     meta.slot_ids, self.num_k_heads, self.head_k_dim)
+        return gdn_decode_step_triton(qkv, z, a, b, meta.states.conv[gi], self.conv1d.weight, self.A_log,
+                                      self.dt_bias, meta.states.recurrent[gi], meta.slot_ids,
+                                      meta.states.step_counts, self.norm.weight, self.norm.eps, self.num_k_heads)
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
         """One token per sequence, all sequences at once, states read from and written back to
-        their slots in the pool (no host sync, so it can be captured in a CUDA graph). The torch
-        reference of ``_decode_fused``."""
+        their slots in the pool (no host sync, so it can be captured in a CUDA graph). With the
+        output norm, the torch reference of ``_decode_fused``."""
         b = qkv.shape[0]
         gi = meta.gdn_ordinal[self.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]

@@ -1,12 +1,21 @@
-"""Fused Triton kernels for one Gated DeltaNet decode step, working in place on the state pool.
+"""One fused Triton kernel for a Gated DeltaNet decode step, working in place on the state pool.
 
-``conv_step``: for every sequence, the depthwise causal conv over [last W-1 inputs | new input],
-SiLU, and the shift of the conv state, in place in the sequence's slot.
-``recurrent_step``: l2-normalised q and k, ``g = -exp(A_log) * softplus(a + dt_bias)``,
-``beta = sigmoid(b)``, the delta-rule update of the fp32 state in place in the slot, and the output.
-Two launches replace the two dozen small ops of the torch path (``GatedDeltaNet._decode_torch``,
-the reference these are tested against); slot ids are read on the device, so a CUDA graph can
-capture the step.
+One program per (sequence, value head) does, from the raw projections:
+
+- the depthwise causal conv over [last W-1 inputs | new input] and SiLU for the channels the head
+  reads (its key head's q and k, its own v), and the shift of those channels' conv state;
+- l2-normalised q and k, ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, the
+  delta-rule update of the head's fp32 state in place in the slot, and the head's output;
+- the output norm of the layer, ``rmsnorm(o) * weight * silu(z)`` over the head.
+
+The value heads of one key head all read its q / k conv state, so none of them may shift it
+before the others have read it: each program counts itself in on a per-(slot, key head) counter
+after reading, and the one that arrives last does the shift. The counters only grow (int64), and
+every step adds exactly one arrival per value head, so "last" is ``count % group == group - 1``.
+
+One launch replaces three (conv, recurrence, gated norm) and the two dozen small ops of the torch
+path (``GatedDeltaNet._decode`` + ``GatedRMSNorm``, the reference this is tested against); slot
+ids are read on the device, so a CUDA graph can capture the step.
 """
 from __future__ import annotations
 
@@ -16,81 +25,96 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, C,
-                      W: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < C
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    base = state_ptr + slot * (W - 1) * C
-    x = tl.load(x_ptr + b * C + cols, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(w_ptr + cols * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
-    prev = tl.load(base + cols, mask=mask, other=0.0)
-    acc += prev.to(tl.float32) * tl.load(w_ptr + cols * W, mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, W - 1):
-        cur = tl.load(base + j * C + cols, mask=mask, other=0.0)
-        acc += cur.to(tl.float32) * tl.load(w_ptr + cols * W + j, mask=mask, other=0.0).to(tl.float32)
-        tl.store(base + (j - 1) * C + cols, cur, mask=mask)
-    tl.store(base + (W - 2) * C + cols, x.to(state_ptr.dtype.element_ty), mask=mask)
-    y = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + b * C + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+def _conv_window(x_ptr, window_ptr, w_ptr, cols, C, W: tl.constexpr):
+    """SiLU of the causal conv over [state rows | new input] for channels ``cols``, rounded to the
+    input's dtype as the unfused conv's output is."""
+    acc = tl.load(x_ptr + cols).to(tl.float32) * tl.load(w_ptr + cols * W + (W - 1)).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        acc += tl.load(window_ptr + j * C + cols).to(tl.float32) * tl.load(w_ptr + cols * W + j).to(tl.float32)
+    return (acc / (1.0 + tl.exp(-acc))).to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _recurrent_step_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
-                           C, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BV: tl.constexpr):
+def _shift_window(x_ptr, window_ptr, cols, C, W: tl.constexpr):
+    """Drop the oldest state row of channels ``cols`` and append the new input, in place."""
+    for j in tl.static_range(1, W - 1):
+        tl.store(window_ptr + (j - 1) * C + cols, tl.load(window_ptr + j * C + cols))
+    tl.store(window_ptr + (W - 2) * C + cols, tl.load(x_ptr + cols).to(window_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr,
+                     count_ptr, nw_ptr, out_ptr, stride_qkv, stride_z, stride_a, stride_b, stride_count, C, scale, eps,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
     bi = tl.program_id(0)
     hv = tl.program_id(1)
-    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
-    h = hv // (HV // H)
+    group: tl.constexpr = HV // H
+    h = hv // group
     kk = tl.arange(0, K)
-    row = mixed_ptr + bi * C
-    q = tl.load(row + h * K + kk).to(tl.float32)
-    k = tl.load(row + H * K + h * K + kk).to(tl.float32)
-    v = tl.load(row + 2 * H * K + hv * V + vcols).to(tl.float32)
+    vv = tl.arange(0, V)
+    slot = tl.load(slot_ptr + bi).to(tl.int64)
+    x_row = qkv_ptr + bi * stride_qkv
+    window = conv_ptr + slot * (W - 1) * C
+    q_cols, k_cols, v_cols = h * K + kk, H * K + h * K + kk, 2 * H * K + hv * V + vv
+    q = _conv_window(x_row, window, cw_ptr, q_cols, C, W)
+    k = _conv_window(x_row, window, cw_ptr, k_cols, C, W)
+    v = _conv_window(x_row, window, cw_ptr, v_cols, C, W)
+    _shift_window(x_row, window, v_cols, C, W)  # this head's v channels: read by this program only
+    arrived = tl.atomic_add(count_ptr + slot * stride_count + h, 1)  # acq_rel: the reads above come first
+    if arrived % group == group - 1:  # the key head's last value head: nobody reads q / k any more
+        _shift_window(x_row, window, q_cols, C, W)
+        _shift_window(x_row, window, k_cols, C, W)
+
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    x = tl.load(a_ptr + bi * HV + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+    x = tl.load(a_ptr + bi * stride_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + bi * HV + hv).to(tl.float32)))
-    slot = tl.load(slot_ptr + bi).to(tl.int64)
-    s_ptr = state_ptr + (slot * HV + hv) * K * V + kk[:, None] * V + vcols[None, :]
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + bi * stride_b + hv).to(tl.float32)))
+    s_ptr = state_ptr + (slot * HV + hv) * K * V + kk[:, None] * V + vv[None, :]
     s = tl.load(s_ptr) * tl.exp(g)
     delta = beta * (v - tl.sum(s * k[:, None], 0))
     s = s + k[:, None] * delta[None, :]
     tl.store(s_ptr, s)
-    o = tl.sum(s * q[:, None], 0)
-    tl.store(out_ptr + (bi * HV + hv) * V + vcols, o.to(out_ptr.dtype.element_ty))
+    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like the step's output
+
+    z = tl.load(z_ptr + bi * stride_z + hv * V + vv).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
+    y = o * inv * tl.load(nw_ptr + vv).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + (bi * HV + hv) * V + vv, y.to(out_ptr.dtype.element_ty))
 
 
-def conv_step_triton(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor,
-                     slot_ids: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[B, C]`` new pre-conv rows; ``conv_pool`` ``[slots, W-1, C]`` (updated in place);
-    ``weight`` ``[C, W]``. Returns SiLU(conv) ``[B, C]``."""
-    b, c = x.shape
-    width = weight.shape[-1]
-    if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous():
-        raise ValueError(f"conv_step: pool {tuple(conv_pool.shape)} for x {tuple(x.shape)}, width {width}")
-    x, weight = x.contiguous(), weight.reshape(c, width).contiguous()
-    out = torch.empty_like(x)
-    _conv_step_kernel[(b, triton.cdiv(c, 1024))](x, conv_pool, weight, slot_ids, out, c, W=width, BLOCK=1024)
-    return out
+def _rows(t: torch.Tensor, name: str) -> int:
+    """Row stride of a ``[B, n]`` view whose last dim is contiguous (a slice of a fused projection)."""
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"gdn step: {name} {tuple(t.shape)} strides {t.stride()} needs contiguous rows")
+    return t.stride(0)
 
 
-def recurrent_step_triton(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                          dt_bias: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
-                          num_k_heads: int, head_k_dim: int) -> torch.Tensor:
-    """``mixed`` ``[B, C]`` (conv output, [q | k | v]); ``a``, ``b`` ``[B, HV]`` raw projections;
-    ``state_pool`` ``[slots, HV, K, V]`` fp32 (updated in place). Returns ``[B, HV, V]``."""
-    bsz, c = mixed.shape
+def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           conv_pool: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+                           dt_bias: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
+                           counts: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           num_k_heads: int) -> torch.Tensor:
+    """``qkv`` ``[B, C]`` pre-conv rows ([q | k | v]), ``z`` ``[B, HV*V]``, ``a``/``b`` ``[B, HV]``
+    (views of one projection's output are fine); ``conv_pool`` ``[slots, W-1, C]`` and ``state_pool``
+    ``[slots, HV, K, V]`` fp32 updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``.
+    Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
+    bsz, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
-    if dk != head_k_dim or state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
-        raise ValueError(f"recurrent_step: state pool {tuple(state_pool.shape)} {state_pool.dtype}")
-    out = torch.empty((bsz, hv, dv), dtype=mixed.dtype, device=mixed.device)
-    bv = min(32, dv)
-    _recurrent_step_kernel[(bsz, hv, triton.cdiv(dv, bv))](
-        mixed.contiguous(), a.contiguous(), b.contiguous(), A_log, dt_bias, state_pool, slot_ids, out,
-        c, dk**-0.5, H=num_k_heads, HV=hv, K=dk, V=dv, BV=bv, num_warps=4)
+    width = conv_weight.shape[-1]
+    if state_pool.dtype != torch.float32 or not state_pool.is_contiguous() or dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"gdn step: state pool {tuple(state_pool.shape)} {state_pool.dtype}")
+    if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or hv % num_k_heads \
+            or c != 2 * num_k_heads * dk + hv * dv:
+        raise ValueError(f"gdn step: conv pool {tuple(conv_pool.shape)} for qkv {tuple(qkv.shape)}, width {width}")
+    if counts.dtype != torch.int64 or counts.shape[1] < num_k_heads or counts.stride(1) != 1:
+        raise ValueError(f"gdn step: counters {tuple(counts.shape)} {counts.dtype}")
+    out = torch.empty((bsz, hv * dv), dtype=qkv.dtype, device=qkv.device)
+    if bsz:
+        _gdn_step_kernel[(bsz, hv)](
+            qkv, z, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
+            slot_ids, counts, norm_weight, out, _rows(qkv, "qkv"), _rows(z, "z"), _rows(a, "a"), _rows(b, "b"),
+            counts.stride(0), c, dk**-0.5, eps,
+            H=num_k_heads, HV=hv, K=dk, V=dv, W=width, num_warps=8 if dk * dv >= 128 * 128 else 4)
     return out
