@@ -10,12 +10,13 @@ from support.kernel_cases import check_prefill_attention, check_attention_decode
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("d, h, hkv, page, sms", [(64, 8, 2, 16, 4), (32, 4, 4, 8, 64)])
-def test_paged_decode_attention(d, h, hkv, page, sms, gated, monkeypatch):
+@pytest.mark.parametrize("d, h, hkv, page, sms, block_d", [(64, 8, 2, 16, 4, 16), (32, 4, 4, 8, 64, 64)])
+def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatch):
     from ninfer.engine.layers import paged_attention_triton as kernel
     from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
 
     monkeypatch.setitem(kernel._SM_COUNT, -1, sms)  # many SMs: many splits, merged in blocks
+    monkeypatch.setattr(kernel, "REDUCE_BLOCK_D", block_d)  # 16: each head merged in four slices
     b, pages = 3, 40
     k = torch.randn(pages, page, hkv, d)
     v = torch.randn_like(k)
