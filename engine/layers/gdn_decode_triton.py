@@ -10,7 +10,8 @@ One program per (sequence, value head) does, from the raw projections:
 
 The value heads of one key head all read its q / k conv state, so none of them may shift it
 before the others have read it: each program counts itself in on a per-(slot, key head) counter
-after reading, and the one that arrives last does the shift. The counters only grow (int64), and
+after reading (a barrier first, so all its threads have read), and the one that arrives last does
+the shift from the window it read. The counters only grow (int64), and
 every step adds exactly one arrival per value head, so "last" is ``count % group == group - 1``.
 
 One launch replaces three (conv, recurrence, gated norm) and the two dozen small ops of the torch
@@ -25,27 +26,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_window(x_ptr, window_ptr, w_ptr, cols, C, W: tl.constexpr):
-    """SiLU of the causal conv over [state rows | new input] for channels ``cols``, rounded to the
-    input's dtype as the unfused conv's output is."""
-    acc = tl.load(x_ptr + cols).to(tl.float32) * tl.load(w_ptr + cols * W + (W - 1)).to(tl.float32)
-    for j in tl.static_range(W - 1):
-        acc += tl.load(window_ptr + j * C + cols).to(tl.float32) * tl.load(w_ptr + cols * W + j).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(x_ptr.dtype.element_ty).to(tl.float32)
+def _window(x_ptr, window_ptr, cols, C, W: tl.constexpr, W_PAD: tl.constexpr):
+    """``[W_PAD, n]`` tile of channels ``cols``: the ``W - 1`` conv state rows, then the new input."""
+    r = tl.arange(0, W_PAD)[:, None]
+    ptrs = tl.where(r < W - 1, window_ptr + r * C + cols[None, :], x_ptr + cols[None, :] + r * 0)
+    return tl.load(ptrs, mask=r < W, other=0.0)
 
 
 @triton.jit
-def _shift_window(x_ptr, window_ptr, cols, C, W: tl.constexpr):
-    """Drop the oldest state row of channels ``cols`` and append the new input, in place."""
-    for j in tl.static_range(1, W - 1):
-        tl.store(window_ptr + (j - 1) * C + cols, tl.load(window_ptr + j * C + cols))
-    tl.store(window_ptr + (W - 2) * C + cols, tl.load(x_ptr + cols).to(window_ptr.dtype.element_ty))
+def _conv(tile, w_ptr, cols, out_dtype, W: tl.constexpr, W_PAD: tl.constexpr):
+    """SiLU of the causal conv over a ``_window`` tile, rounded to ``out_dtype`` as the unfused
+    conv's output is."""
+    r = tl.arange(0, W_PAD)[:, None]
+    w = tl.load(w_ptr + cols[None, :] * W + r, mask=r < W, other=0.0).to(tl.float32)
+    acc = tl.sum(tile.to(tl.float32) * w, 0)
+    return (acc / (1.0 + tl.exp(-acc))).to(out_dtype).to(tl.float32)
+
+
+@triton.jit
+def _shift(tile, window_ptr, cols, C, W: tl.constexpr, W_PAD: tl.constexpr):
+    """Write a ``_window`` tile back one row up: the oldest state row drops out, the input enters."""
+    r = tl.arange(0, W_PAD)[:, None]
+    tl.store(window_ptr + (r - 1) * C + cols[None, :], tile.to(window_ptr.dtype.element_ty), mask=(r >= 1) & (r < W))
 
 
 @triton.jit
 def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr,
                      count_ptr, nw_ptr, out_ptr, stride_qkv, stride_z, stride_a, stride_b, stride_count, C, scale, eps,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                     W_PAD: tl.constexpr):
     bi = tl.program_id(0)
     hv = tl.program_id(1)
     group: tl.constexpr = HV // H
@@ -56,14 +65,18 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     x_row = qkv_ptr + bi * stride_qkv
     window = conv_ptr + slot * (W - 1) * C
     q_cols, k_cols, v_cols = h * K + kk, H * K + h * K + kk, 2 * H * K + hv * V + vv
-    q = _conv_window(x_row, window, cw_ptr, q_cols, C, W)
-    k = _conv_window(x_row, window, cw_ptr, k_cols, C, W)
-    v = _conv_window(x_row, window, cw_ptr, v_cols, C, W)
-    _shift_window(x_row, window, v_cols, C, W)  # this head's v channels: read by this program only
-    arrived = tl.atomic_add(count_ptr + slot * stride_count + h, 1)  # acq_rel: the reads above come first
+    tq = _window(x_row, window, q_cols, C, W, W_PAD)
+    tk = _window(x_row, window, k_cols, C, W, W_PAD)
+    tv = _window(x_row, window, v_cols, C, W, W_PAD)
+    dt = qkv_ptr.dtype.element_ty
+    q, k, v = _conv(tq, cw_ptr, q_cols, dt, W, W_PAD), _conv(tk, cw_ptr, k_cols, dt, W, W_PAD), \
+        _conv(tv, cw_ptr, v_cols, dt, W, W_PAD)
+    tl.debug_barrier()  # every thread of the program has read the windows before any is rewritten
+    _shift(tv, window, v_cols, C, W, W_PAD)  # this head's v channels: read by this program only
+    arrived = tl.atomic_add(count_ptr + slot * stride_count + h, 1, sem="acq_rel", scope="gpu")
     if arrived % group == group - 1:  # the key head's last value head: nobody reads q / k any more
-        _shift_window(x_row, window, q_cols, C, W)
-        _shift_window(x_row, window, k_cols, C, W)
+        _shift(tq, window, q_cols, C, W, W_PAD)
+        _shift(tk, window, k_cols, C, W, W_PAD)
 
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -105,7 +118,8 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
     width = conv_weight.shape[-1]
     if state_pool.dtype != torch.float32 or not state_pool.is_contiguous() or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"gdn step: state pool {tuple(state_pool.shape)} {state_pool.dtype}")
-    if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or hv % num_k_heads \
+    if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or conv_pool.dtype != qkv.dtype \
+            or hv % num_k_heads \
             or c != 2 * num_k_heads * dk + hv * dv:
         raise ValueError(f"gdn step: conv pool {tuple(conv_pool.shape)} for qkv {tuple(qkv.shape)}, width {width}")
     if counts.dtype != torch.int64 or counts.shape[1] < num_k_heads or counts.stride(1) != 1:
@@ -116,5 +130,5 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
             qkv, z, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
             slot_ids, counts, norm_weight, out, _rows(qkv, "qkv"), _rows(z, "z"), _rows(a, "a"), _rows(b, "b"),
             counts.stride(0), c, dk**-0.5, eps,
-            H=num_k_heads, HV=hv, K=dk, V=dv, W=width, num_warps=8 if dk * dv >= 128 * 128 else 4)
+            H=num_k_heads, HV=hv, K=dk, V=dv, W=width, W_PAD=triton.next_power_of_2(width), num_warps=8 if dk * dv >= 128 * 128 else 4)
     return out
