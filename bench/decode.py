@@ -294,9 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-batches", default="1,8", help="batch sizes for the transformers peer")
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
     p.add_argument("--json", default=None)
+    p.add_argument("--gemv", choices=["auto", "off"], default="auto",
+                   help="off: every decode projection through cuBLAS (fused_linear.GEMV_MAX_ROWS = 0)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.gemv == "off":
+        from ninfer.engine.layers import fused_linear
+
+        fused_linear.GEMV_MAX_ROWS = 0
     batches = [int(x) for x in args.batches.split(",")]
     prefills = [int(x) for x in args.prefill.split(",") if x]
     ceilings = measure_ceilings()

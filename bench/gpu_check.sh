@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the GPU tests, then the benchmarks the GPU targets are read from.
 #   bash bench/gpu_check.sh [OUT_DIR] [PARTS]   (default bench/out; logs, tables and JSON land there)
-# PARTS: "all" (default: tests, then bench), "tests", "bench", or "tune" (bench.moe_tune), so a
-# machine that limits one command's time can take the run in two calls.
+# PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune) or "gemv"
+# (bench.gemv_tune at two shapes; a few minutes, not yet timed), so a machine that limits one
+# command's time can take the run in several calls; "all" runs neither tuning part.
 # Needs a CUDA build of torch with Triton, fla-core and the test extras; about 9.5 minutes on an
 # H200 with a cold Triton cache (the tests compile most kernels, the benchmarks reuse them).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune) ;; *) echo "unknown PARTS: $parts (all, tests, bench, tune)" >&2; exit 2 ;; esac
+case "$parts" in all | tests | bench | tune | gemv) ;; *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv)" >&2; exit 2 ;; esac
 mkdir -p "$out"
 py=${PYTHON:-python}
 status=0
@@ -33,5 +34,9 @@ if [ "$parts" = all ] || [ "$parts" = bench ]; then
 fi
 if [ "$parts" = tune ]; then
     run moe-tune "$py" -m bench.moe_tune --shape qwen3.5-35b-a3b --tokens 1,8
+fi
+if [ "$parts" = gemv ]; then
+    run gemv-tune "$py" -m bench.gemv_tune --shape qwen3.5-27b --rows 1,8
+    run gemv-tune-35b "$py" -m bench.gemv_tune --shape qwen3.5-35b-a3b --rows 1,8
 fi
 exit "$status"

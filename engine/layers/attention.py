@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.paged import PagedSequenceCache
-from .fused_linear import fuse_linears, split_linear
+from .fused_linear import decode_linear, fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
@@ -122,9 +122,9 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if batch.decode is not None and on_triton(hidden):
             out = self._decode_fused(q, k, v, batch.positions, batch.decode)
-            return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
         if on_triton(hidden) and batch.caches and all(isinstance(c, PagedSequenceCache) for c in batch.caches):
-            return self.o_proj(self._prefill_fused(q, k, v, batch).reshape(n, self.num_heads * self.head_dim))
+            return self._o_proj(self._prefill_fused(q, k, v, batch).reshape(n, self.num_heads * self.head_dim))
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
@@ -147,7 +147,10 @@ class Attention(nn.Module):
         out = out.reshape(n, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self._o_proj(out)
+
+    def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
+        return decode_linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def fuse_projections(self) -> bool:
         self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])

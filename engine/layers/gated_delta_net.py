@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_linear
-from .fused_linear import fuse_linears, split_linear
+from .fused_linear import decode_linear, fuse_linears, split_linear
 from .triton_switch import on_triton
 from .gdn_ops import (
     causal_conv1d,
@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         if batch.decode is not None:
             qkv, z, b, a = self.project(hidden)
             if on_triton(hidden):
-                return self.out_proj(self._decode_fused(qkv, z, a, b, batch.decode))
+                return decode_linear(self._decode_fused(qkv, z, a, b, batch.decode), self.out_proj.weight)
             g, beta = self._gates(a, b)
             out = self._decode(qkv, g, beta, batch.decode)
         else:

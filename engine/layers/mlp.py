@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_linear import fuse_linears, split_linear
+from .fused_linear import decode_linear, fuse_linears, split_linear
 
 
 class GatedMLP(nn.Module):
@@ -21,8 +21,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
-            return self.down_proj(silu_mul(*split_linear(x, self._fused, self._sizes)))
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+            h = silu_mul(*split_linear(x, self._fused, self._sizes))
+        else:
+            # the same GEMV as the fused weight's rows get, so fusing changes no result
+            h = silu_mul(decode_linear(x, self.gate_proj.weight, self.gate_proj.bias),
+                         decode_linear(x, self.up_proj.weight, self.up_proj.bias))
+        return decode_linear(h, self.down_proj.weight, self.down_proj.bias)
 
     def fuse_projections(self) -> bool:
         if self._fused is None:

@@ -8,7 +8,10 @@ received tokens run (the CPU path). With Triton (CUDA) the block runs as a route
 routing kernel and the experts as grouped GEMVs for few tokens (``moe_triton.py``, decode) or a
 grouped GEMM over assignments sorted by expert on the device (``moe_gemm_triton.py``, prefill),
 the shared expert folded in as one more assignment when its intermediate size equals the
-experts'.
+experts'. In a decode step the decoder layer calls ``forward_residual``, where the residual add,
+the post-attention RMSNorm, the router GEMV and the routing are one launch
+(``moe_triton.norm_route_triton``), so norm and block cost three launches with the shared
+expert folded.
 
 Checkpoints saved by transformers name experts one by one (``experts.N.gate_proj.weight``, ...);
 :func:`fuse_expert_weights` turns such a stream into the fused names.
@@ -32,6 +35,9 @@ DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the gr
 # the 35B-A3B shape that loop prefilled 16K tokens at 14,800 tok/s against the grouped Triton
 # GEMM's 6,400-6,800, while at 512 tokens the grouped GEMM is 10x faster (bench/RESULTS.md).
 LOOP_MIN_TOKENS = 4096
+# Arrival counters a block keeps for the fused norm + router + routing launch: one per token group
+# (``moe_triton.NORM_ROUTE_TILES``), so it covers up to this many groups; more tokens go unfused.
+ROUTE_COUNTERS = 64
 
 
 class FusedExperts(nn.Module):
@@ -87,10 +93,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self._router: torch.Tensor | None = None  # router rows (+ shared gate row), fuse_projections
         self._shared_folded = False
+        # arrival counters of the fused norm + router + routing launch (int32 zeros, on the weights'
+        # device): made by fuse_projections, or on first use, never during a CUDA-graph capture
+        self._route_count: torch.Tensor | None = None
 
     def fuse_projections(self) -> bool:
         """Append the shared expert's gate row to the router, so one GEMV gives both, when the
-        shared expert can ride along the experts' kernels (same intermediate size, no bias)."""
+        shared expert can ride along the experts' kernels (same intermediate size, no bias).
+        Also makes the fused decode launch's counter (``forward_residual``)."""
+        self._counter(self.gate.weight.device)
         shared = self.shared_expert
         if self._shared_folded:
             return True
@@ -120,16 +131,53 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's
+        ``post_attention_layernorm`` (an ``RMSNorm``). For few tokens with Triton (decode) the
+        residual add, the norm, the router GEMV and the routing run as one launch
+        (``moe_triton.norm_route_triton``); otherwise ``norm(x, residual)`` then ``forward``."""
+        n = x.shape[0] if x.dim() == 2 else 0
+        if 0 < n and n * (self.top_k + int(self._shared_folded)) <= DECODE_MAX_ASSIGNMENTS and on_triton(x):
+            from .moe_triton import norm_route_tiles, norm_route_triton
+
+            tiles, count = norm_route_tiles(n), self._counter(x.device)
+            if tiles is not None and count is not None and -(-n // tiles["TOKENS"]) <= count.numel():
+                folded = self._shared_folded
+                hidden, residual, ids, weights = norm_route_triton(
+                    x, residual, norm.weight, norm.eps, norm.zero_centered,
+                    self._router if folded else self.gate.weight, count, self.top_k, self.experts.num_experts,
+                    self.norm_topk_prob, folded)
+                return self._experts_kernels(hidden, ids, weights), residual
+        hidden, residual = norm(x, residual)
+        return self(hidden), residual
+
+    def _counter(self, device: torch.device) -> torch.Tensor | None:
+        """The fused launch's arrival counters on ``device``; None when they would have to be
+        allocated inside a CUDA-graph capture (the caller then takes the unfused kernels)."""
+        count = self._route_count
+        if count is None or count.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            count = self._route_count = torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=device)
+        return count
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """Router GEMM and routing kernel, then the experts as grouped GEMVs (few tokens: decode)
-        or as a grouped GEMM over assignments sorted by expert (prefill)."""
-        from .moe_gemm_triton import moe_grouped_gemm
-        from .moe_triton import moe_down_triton, moe_gate_up_triton, route_triton
+        """Router GEMM and routing kernel, then the experts (``_experts_kernels``)."""
+        from .moe_triton import route_triton
 
         folded = self._shared_folded
         logits = F.linear(x, self._router if folded else self.gate.weight)
         ids, weights = route_triton(logits, self.top_k, self.experts.num_experts, self.norm_topk_prob, folded)
+        return self._experts_kernels(x, ids, weights)
+
+    def _experts_kernels(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts as grouped GEMVs (few tokens: decode) or as a grouped GEMM over
+        assignments sorted by expert (prefill); the shared expert rides along when folded."""
+        from .moe_gemm_triton import moe_grouped_gemm
+        from .moe_triton import moe_down_triton, moe_gate_up_triton
+
+        folded = self._shared_folded
         shared = self.shared_expert if folded else None
         shared_gate_up = None if shared is None else shared._fused
         shared_down = None if shared is None else shared.down_proj.weight

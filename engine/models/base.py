@@ -90,7 +90,11 @@ class PreNormLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.mixer()(hidden, batch), residual)
+        mixed = self.mixer()(hidden, batch)
+        fused = getattr(self.mlp, "forward_residual", None)  # MoE: add + norm + routing in one launch
+        if fused is not None:
+            return fused(mixed, residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(mixed, residual)
         return self.mlp(hidden), residual
 
 

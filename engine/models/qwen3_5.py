@@ -36,7 +36,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 class HybridDecoderLayer(PreNormLayer):
     """Pre-norm block: ``h += mixer(norm(h)); h += mlp(norm(h))``, mixer = GDN or attention.
-    Each residual add is fused with the norm that follows it."""
+    Each residual add is fused with the norm that follows it; in MoE layers the post-attention
+    one also with the router and the routing (``SparseMoeBlock.forward_residual``)."""
 
     def __init__(
         self,

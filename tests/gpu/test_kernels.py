@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import check_attention_decode, check_gdn_decode, check_moe_block, rel_err
+from support.kernel_cases import check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -76,6 +76,23 @@ def test_silu_mul():
     assert rel_err(silu_mul(g, u), torch.nn.functional.silu(g.float()) * u.float()) < 1e-2
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 2048, 4096), (4, 5120, 6144), (1, 5120, 17408), (8, 12352, 2048),
+                                     (3, 1000, 5000)])  # the last: ragged N and K
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv(m, n, k, with_bias):
+    from ninfer.engine.layers.gemv_triton import gemv_triton
+
+    torch.manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    x = torch.randn(m, k + 64, device="cuda", dtype=torch.bfloat16)[:, 32:32 + k]  # strided rows
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    out = gemv_triton(x, w, bias)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    for tiles in ({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 8}):
+        assert rel_err(gemv_triton(x, w, bias, tiles), ref) < 1e-2
+
+
 def test_gdn_decode_step_fla_vs_torch():
     from ninfer.engine.layers.gdn_ops import recurrent_step_batched
     from ninfer.engine.layers.gated_delta_net import l2norm
@@ -128,8 +145,9 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
     assert torch.equal(new_state.float().cpu(), ref_state)
 
 
-def test_fused_gdn_decode_vs_torch_path():
-    check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=4, v_heads=8, head_dim=128)
+@pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (4, 12), (4, 4)])  # 2, 3 and 1 value heads per key head
+def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads):
+    check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128)
 
 
 @pytest.mark.parametrize("shared", [512, 384, 0])
@@ -137,6 +155,15 @@ def test_fused_gdn_decode_vs_torch_path():
 def test_moe_block_kernels_vs_torch(shared, tokens, monkeypatch):
     check_moe_block(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
                     shared=shared)
+
+
+@pytest.mark.parametrize("shared", [512, 0])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_norm_route_vs_unfused_kernels(shared, tokens, monkeypatch):
+    """Residual add + norm + router + routing in one launch (35B-A3B size), twice in a row."""
+    torch.manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    check_moe_norm_route(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
+                         shared=shared)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])

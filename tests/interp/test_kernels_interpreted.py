@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from support.decode_paths import BUILDERS, load_parts, run
-from support.kernel_cases import check_prefill_attention, check_attention_decode, check_gdn_decode, check_moe_block, rel_err
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
+                                  check_prefill_attention, rel_err)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -53,6 +54,26 @@ def test_norm_kernels():
     assert rel_err(silu_mul_triton(g, u), torch.nn.functional.silu(g) * u) < 1e-5
 
 
+@pytest.mark.parametrize("m, n, k, tiles", [
+    (1, 37, 100, None),  # the default tiles: one ragged K chunk, a ragged last row block
+    (3, 37, 300, {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 2}),  # ragged N and K, M padded to 4
+    (3, 16, 256, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4}),  # even K
+    (1, 9, 64, {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 8}),  # BLOCK_K clipped to K, warps capped
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv(m, n, k, tiles, with_bias):
+    from ninfer.engine.layers.gemv_triton import gemv_triton
+
+    x = torch.randn(m, k + 11)[:, 5:5 + k]  # rows strided, last dim contiguous
+    w = torch.randn(n, k)
+    bias = torch.randn(n) if with_bias else None
+    out = gemv_triton(x, w, bias, tiles)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert rel_err(out, torch.nn.functional.linear(x, w, bias)) < 1e-5
+    with pytest.raises(ValueError):
+        gemv_triton(x, w[:, 1:].contiguous())
+
+
 @pytest.mark.parametrize("qwen", [True, False])
 def test_attention_decode(qwen, monkeypatch):
     check_attention_decode(monkeypatch, "cpu", torch.float32, qwen, 64, 4, 2, 32, 16 if qwen else 32)
@@ -70,6 +91,17 @@ def test_moe_block(tokens, gemv_limit, shared, monkeypatch):
     monkeypatch.setattr(moe_gemm_triton, "CHUNK_TOKENS", 16)  # 30 tokens: two launches
     check_moe_block(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=16, top_k=4, inter=32,
                     shared=shared, gemv_limit=gemv_limit)
+
+
+@pytest.mark.parametrize("tokens, shared, tiles", [
+    (1, 32, None), (3, 32, None), (1, 0, None), (3, 0, None),  # shared expert folded into the router, none
+    (3, 48, None),  # a shared expert of its own size: not folded, run beside
+    (3, 32, {"ROWS": 16, "TOKENS": 1, "num_warps": 4}),  # 2 x 3 programs: fewer row programs than tokens
+    (3, 0, {"ROWS": 4, "TOKENS": 2, "num_warps": 4}),  # a ragged last token group
+])
+def test_moe_norm_route(tokens, shared, tiles, monkeypatch):
+    check_moe_norm_route(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=16, top_k=4, inter=32,
+                         shared=shared, tiles=tiles)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

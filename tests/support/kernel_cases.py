@@ -125,6 +125,77 @@ def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, h
     assert rel_err(block(x), ref) < 2e-2
 
 
+def _assert_same_experts(ids: torch.Tensor, ref_ids: torch.Tensor, probs: torch.Tensor, top_k: int,
+                         tie: float) -> None:
+    """The same top-k experts per token, except where the reference's softmax ``probs`` has a
+    near tie (within ``tie``, relative) at the k-th place, which rounding may break either way."""
+    got, want = ids[:, :top_k].long().sort(1).values, ref_ids[:, :top_k].long().sort(1).values
+    for t in (got != want).any(1).nonzero().flatten().tolist():
+        kth = probs[t, want[t]].min()
+        extra = probs[t, got[t][~torch.isin(got[t], want[t])]]
+        assert (extra >= kth * (1 - tie)).all(), (t, got[t].tolist(), want[t].tolist())
+    torch.testing.assert_close(ids[:, top_k:], ref_ids[:, top_k:])  # the shared expert's slot
+
+
+def check_moe_norm_route(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
+                         top_k: int, inter: int, shared: int, tiles: dict | None = None) -> None:
+    """``SparseMoeBlock.forward_residual``: residual add + RMSNorm + router GEMV + routing in one
+    launch (``norm_route_triton``), against the unfused kernels (``add_rms_norm_triton``, router
+    GEMV, ``route_triton``, the same experts), computed independently; twice in a row, so a
+    counter left non-zero by the first launch shows up in the second. ``tiles`` overrides
+    ``moe_triton.NORM_ROUTE_TILES`` (fewer programs than tokens, ragged token tiles)."""
+    from ninfer.engine.layers import moe_triton
+    from ninfer.engine.layers.moe import SparseMoeBlock
+    from ninfer.engine.layers.norm import RMSNorm
+    from ninfer.engine.layers.norm_triton import add_rms_norm_triton
+
+    block = SparseMoeBlock(hidden, experts, top_k, inter, shared, True).to(device=device, dtype=dtype)
+    _randomize(block, 0.02 if dtype == torch.bfloat16 else 0.2)
+    norm = RMSNorm(hidden, 1e-6, zero_centered=True).to(device=device, dtype=dtype)
+    _randomize(norm, 0.3)
+    folded = block.fuse_projections()
+    assert folded == (shared == inter) and block._route_count is not None
+    router = block._router if folded else block.gate.weight
+    if tiles:
+        monkeypatch.setattr(moe_triton, "NORM_ROUTE_TILES", ((1 << 30, tiles),))
+    calls = []
+    fused_entry = moe_triton.norm_route_triton
+    monkeypatch.setattr(moe_triton, "norm_route_triton", lambda *a, **k: calls.append(1) or fused_entry(*a, **k))
+    for _ in range(2):  # fresh inputs, and a launch after launches on the same counter
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        residual = torch.randn(tokens, hidden, device=device, dtype=dtype) * 4
+        # the unfused kernels, as the decode path ran them before
+        ref_hidden, ref_res = add_rms_norm_triton(x, residual, norm.weight, norm.eps, True)
+        ref_logits = torch.nn.functional.linear(ref_hidden, router)
+        ref_ids, ref_wts = moe_triton.route_triton(ref_logits, top_k, experts, True, folded)
+
+        got = fused_entry(x, residual, norm.weight, norm.eps, True, router, block._route_count, top_k, experts,
+                          True, folded)
+        assert not block._route_count.any()  # the last programs put the counters back
+        hidden_out, res_out, ids, wts = got
+        assert torch.equal(res_out, ref_res) and torch.equal(res_out, x + residual)
+        if dtype == torch.float32:
+            torch.testing.assert_close(hidden_out, ref_hidden, rtol=1e-5, atol=1e-5)
+        else:  # at most one rounding step apart, where the fp32 sums of squares round apart
+            assert rel_err(hidden_out, ref_hidden) < 2e-3
+        assert ids.shape == ref_ids.shape == wts.shape
+        probs = torch.softmax(ref_logits[:, :experts].float(), -1)
+        _assert_same_experts(ids, ref_ids, probs, top_k, 1e-5 if dtype == torch.float32 else 2e-2)
+        same = (ids.sort(1).values == ref_ids.sort(1).values).all(1)  # tokens routed alike: weights match
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(wts[same].sort(1).values, ref_wts[same].sort(1).values, rtol=tol, atol=tol)
+        again = fused_entry(x, residual, norm.weight, norm.eps, True, router, block._route_count, top_k, experts,
+                            True, folded)
+        assert all(torch.equal(a, b) for a, b in zip(again, got))  # the reset counter: the same routing
+
+    # the whole block: the experts after the fused launch, against the unfused kernels' path
+    out, new_res = block.forward_residual(x, residual, norm)
+    assert calls == [1]  # forward_residual took the fused launch
+    assert torch.equal(new_res, ref_res)
+    assert rel_err(out, block(ref_hidden)) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert not block._route_count.any()
+
+
 def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int, tol: float) -> None:
     """Prompt chunks of two sequences in one forward, then a second chunk each (keys read back from
     older pages, writes across page boundaries): attention through the fused q/k norm + RoPE + K/V

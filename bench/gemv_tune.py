@@ -1,0 +1,163 @@
+"""The Triton GEMV (``gemv_triton``) against cuBLAS (``F.linear``) at a model's decode projections.
+
+    python -m bench.gemv_tune --shape qwen3.5-27b [--rows 1,8]
+
+For each distinct decode projection ``[M, K] @ [N, K]^T`` of the shape (GDN fused input projection
+and out_proj, attention fused qkv and o_proj, the dense MLP's fused gate/up and down, the LM head),
+random bf16 weights in enough copies that one timed CUDA graph streams >= ``--graph-mb`` MB (so
+reads come from HBM, not the 50 MB L2); cuBLAS and each tile choice of the GEMV are timed inside
+the graph (GPU time, no Python launch cost) and checked against cuBLAS's output. Prints one table
+per shape, then ``fused_linear.GEMV_SHAPE_TILES`` entries for the measured shapes (tiles where the
+GEMV won, None where cuBLAS did).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.engine.layers import gemv_triton as gt
+from ninfer.engine.layers.fused_linear import gemv_tiles
+
+from .shapes import shape_config
+
+# (BLOCK_K, num_warps) pairs whose warps all split K (gemv_triton caps num_warps otherwise)
+_K_WARPS = [(256, 1), (512, 1), (512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8)]
+
+
+def projections(cfg) -> list[tuple[str, int, int]]:
+    """``(name, N, K)`` of each distinct decode projection of the model."""
+    hid = cfg.hidden_size
+    out = []
+    if "linear_attention" in cfg.layer_types:
+        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        out.append(("gdn in_proj (qkv|z|b|a)", conv_dim + value_dim + 2 * cfg.linear_num_value_heads, hid))
+        out.append(("gdn out_proj", hid, value_dim))
+    if "full_attention" in cfg.layer_types:
+        gated = cfg.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+        q_out = cfg.num_attention_heads * cfg.head_dim * (2 if gated else 1)
+        out.append(("attn qkv", q_out + 2 * cfg.num_key_value_heads * cfg.head_dim, hid))
+        out.append(("attn o_proj", hid, cfg.num_attention_heads * cfg.head_dim))
+    if not cfg.is_moe:
+        out.append(("mlp gate_up", 2 * cfg.intermediate_size, hid))
+        out.append(("mlp down", hid, cfg.intermediate_size))
+    out.append(("lm_head", cfg.vocab_size, hid))
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, n, k in out:
+        names.setdefault((n, k), []).append(name)
+    return [(" = ".join(v), n, k) for (n, k), v in names.items()]
+
+
+def _time_us(fn, copies: int, reps: int = 10) -> float:
+    """GPU time per call: ``copies`` calls (one per weight copy) captured in a CUDA graph; the
+    median replay over ``reps``, divided by ``copies``."""
+    for c in range(copies):
+        fn(c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in range(copies):
+            fn(c)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
+    return sorted(times)[len(times) // 2]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def candidates() -> list[dict]:
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, (k, w) in itertools.product([1, 2, 4, 8], _K_WARPS)]
+
+
+def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
+         dt: torch.dtype = torch.bfloat16) -> list[dict]:
+    nbytes = n * k * torch.finfo(dt).bits // 8
+    copies = max(1, math.ceil(graph_mb * 1e6 / nbytes))
+    weights = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(copies)]
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=dt, device=dev)
+        ref = F.linear(x, weights[0])
+        cublas = _time_us(lambda c: F.linear(x, weights[c]), copies)
+        best, bad, seen = None, [], set()
+        for tiles in candidates():
+            eff = gt.gemv_config(m, k, tiles)
+            key = (eff["BLOCK_N"], eff["BLOCK_K"], eff["num_warps"])
+            if key in seen:  # the same launch after clipping BLOCK_K to K / capping the warps
+                continue
+            seen.add(key)
+            try:
+                ok = _rel_err(gt.gemv_triton(x, weights[0], None, tiles), ref) < 1e-2
+                us = _time_us(lambda c: gt.gemv_triton(x, weights[c], None, tiles), copies)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped, not a stop
+                bad.append(f"{tiles}: {type(exc).__name__}")
+                continue
+            if not ok:
+                bad.append(f"{tiles}: MISMATCH")
+            elif best is None or us < best[1]:
+                best = (tiles, us)
+        rule = gemv_tiles(m, n, k)
+        rule_us = _time_us(lambda c: gt.gemv_triton(x, weights[c], None, rule), copies) if rule else None
+        results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
+                        "rule": rule, "rule_us": rule_us, "bad": bad})
+    weights.clear()  # free this shape's copies before the next shape's
+    torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gemv_tune")
+    p.add_argument("--shape", default="qwen3.5-27b")
+    p.add_argument("--rows", default="1,8", help="input rows M (decode batch sizes)")
+    p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    cfg = shape_config(args.shape)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{args.shape} on {torch.cuda.get_device_name()}: bf16, GPU time per call inside CUDA graphs; "
+          "TB/s = weight bytes / time; tiles = BLOCK_N x BLOCK_K / num_warps; "
+          "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)")
+    lines = ["| projection | N | K | M | MB | cuBLAS us | cuBLAS TB/s | best Triton tiles | us | TB/s | speedup "
+             "| rule us |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    table = {}
+    for name, n, k in projections(cfg):
+        for r in tune(n, k, rows, args.graph_mb):
+            mb, cu = r["mb"], r["cublas_us"]
+            rule = "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"
+            for b in r["bad"]:
+                print(f"  {name} M={r['m']}: {b}")
+            if r["best"] is None:
+                lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {mb / cu:.2f} | none | | | "
+                             f"| {rule} |")
+                table[(r["m"], n, k)] = None
+                continue
+            tiles, us = r["best"]
+            lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {mb / cu:.2f} | "
+                         f"{tiles['BLOCK_N']}x{tiles['BLOCK_K']}/{tiles['num_warps']}w | {us:.1f} | {mb / us:.2f} | "
+                         f"{cu / us:.2f} | {rule} |")
+            table[(r["m"], n, k)] = tiles if us < cu else None
+            print(lines[-1], flush=True)
+    print("\n" + "\n".join(lines))
+    print("\n# fused_linear.GEMV_SHAPE_TILES entries (tiles BLOCK_N x BLOCK_K / warps above):")
+    for key, tiles in table.items():
+        print(f"    {key}: {tiles},")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
