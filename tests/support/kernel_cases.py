@@ -64,14 +64,18 @@ def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: b
 def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int,
                      head_dim: int) -> None:
     """The fused decode step (conv, recurrence and output norm, in place on the pools) against the
-    layer's torch decode path, for two steps in a row: the second reads the conv state the first
-    shifted, so a key head's q / k state shifted too early or twice (the per-(slot, key head)
-    arrival counters) shows up there."""
+    layer's torch decode path run on the CPU in fp32 math (on CUDA that path hands q / k to fla in
+    bf16), for two steps in a row: the second reads the conv state the first shifted, so a key
+    head's q / k state shifted too early or twice (the per-(slot, key head) arrival counters)
+    shows up there."""
+    import copy
+
     from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
 
     layer = GatedDeltaNet(0, hidden, num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head_dim,
                           head_v_dim=head_dim)
     _randomize(layer, 0.5)
+    ref_layer = copy.deepcopy(layer)
     layer = layer.to(device)
     b, slots = 5, 9
     conv = torch.randn(1, slots, 3, layer.conv_dim, device=device, dtype=dtype)
@@ -83,23 +87,25 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
         return SimpleNamespace(gdn_ordinal={0: 0}, states=SimpleNamespace(conv=c, recurrent=r, step_counts=counts),
                                slot_ids=slot_ids)
 
-    conv_ref, rec_ref = conv.clone(), rec.clone()
+    conv_ref, rec_ref = conv.cpu().clone(), rec.cpu().clone()
+    ref_meta = SimpleNamespace(gdn_ordinal={0: 0}, states=SimpleNamespace(conv=conv_ref, recurrent=rec_ref),
+                               slot_ids=slot_ids.cpu())
     for _ in range(2):
         qkv = torch.randn(b, layer.conv_dim, device=device, dtype=dtype)
         z = torch.randn(b, layer.value_dim, device=device, dtype=dtype)
         a = torch.randn(b, v_heads, device=device, dtype=dtype)
         bb = torch.randn(b, v_heads, device=device, dtype=dtype)
         out = layer._decode_fused(qkv, z, a, bb, meta(conv, rec))
-        beta = torch.sigmoid(bb.float())
-        g = -torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
-        o = layer._decode(qkv, g, beta, meta(conv_ref, rec_ref))
-        ref = layer.norm(o, z.view(b, v_heads, head_dim)).reshape(b, -1)
-        assert rel_err(out, ref) < 2e-2
-        assert rel_err(rec[0, slot_ids], rec_ref[0, slot_ids]) < 1e-3
-        torch.testing.assert_close(conv[0, slot_ids].float(), conv_ref[0, slot_ids].float())
+        beta = torch.sigmoid(bb.float()).cpu()
+        g = (-torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())).cpu()
+        o = ref_layer._decode(qkv.cpu(), g, beta, ref_meta)
+        ref = ref_layer.norm(o, z.cpu().view(b, v_heads, head_dim)).reshape(b, -1)
+        assert rel_err(out.cpu(), ref) < 2e-2
+        assert rel_err(rec[0, slot_ids].cpu(), rec_ref[0, slot_ids.cpu()]) < 1e-3
+        torch.testing.assert_close(conv[0, slot_ids].cpu().float(), conv_ref[0, slot_ids.cpu()].float())
     untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
-    torch.testing.assert_close(rec[0, untouched], rec_ref[0, untouched])
-    torch.testing.assert_close(conv[0, untouched], conv_ref[0, untouched])
+    torch.testing.assert_close(rec[0, untouched].cpu(), rec_ref[0, untouched])
+    torch.testing.assert_close(conv[0, untouched].cpu(), conv_ref[0, untouched])
     assert (counts[slot_ids, :k_heads] == 2 * (v_heads // k_heads)).all()  # each value head arrived once per step
 
 
