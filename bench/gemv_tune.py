@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import gemv_tiles
 
+from .gpu_env import graph_time_us
 from .shapes import shape_config
 
 # (BLOCK_K, num_warps) pairs whose warps all split K (gemv_triton caps num_warps otherwise)
@@ -53,28 +54,6 @@ def projections(cfg) -> list[tuple[str, int, int]]:
     return [(" = ".join(v), n, k) for (n, k), v in names.items()]
 
 
-def _time_us(fn, copies: int, reps: int = 10) -> float:
-    """GPU time per call: ``copies`` calls (one per weight copy) captured in a CUDA graph; the
-    median replay over ``reps``, divided by ``copies``."""
-    for c in range(copies):
-        fn(c)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in range(copies):
-            fn(c)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
-
-
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -92,7 +71,7 @@ def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
     for m in rows:
         x = torch.randn(m, k, dtype=dt, device=dev)
         ref = F.linear(x, weights[0])
-        cublas = _time_us(lambda c: F.linear(x, weights[c]), copies)
+        cublas = graph_time_us(lambda c: F.linear(x, weights[c]), copies)
         best, bad, seen = None, [], set()
         for tiles in candidates():
             eff = gt.gemv_config(m, k, tiles)
@@ -102,7 +81,7 @@ def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
             seen.add(key)
             try:
                 ok = _rel_err(gt.gemv_triton(x, weights[0], None, tiles), ref) < 1e-2
-                us = _time_us(lambda c: gt.gemv_triton(x, weights[c], None, tiles), copies)
+                us = graph_time_us(lambda c: gt.gemv_triton(x, weights[c], None, tiles), copies)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped, not a stop
                 bad.append(f"{tiles}: {type(exc).__name__}")
                 continue
@@ -111,7 +90,7 @@ def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
             elif best is None or us < best[1]:
                 best = (tiles, us)
         rule = gemv_tiles(m, n, k)
-        rule_us = _time_us(lambda c: gt.gemv_triton(x, weights[c], None, rule), copies) if rule else None
+        rule_us = graph_time_us(lambda c: gt.gemv_triton(x, weights[c], None, rule), copies) if rule else None
         results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
                         "rule": rule, "rule_us": rule_us, "bad": bad})
     weights.clear()  # free this shape's copies before the next shape's

@@ -18,27 +18,8 @@ import torch
 
 from ninfer.engine.layers import moe_triton as mt
 
+from .gpu_env import graph_time_us
 from .shapes import shape_config
-
-
-def _time_us(fn, routes: int, reps: int = 4) -> float:
-    """GPU time per call: ``routes`` calls (one per routing, so the experts read are not all in L2)
-    captured in a CUDA graph and replayed, so Python launch time is not counted."""
-    for r in range(routes):
-        fn(r)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(routes):
-            fn(r)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * routes)
 
 
 def candidates(block_ns, block_ks, warps):
@@ -52,7 +33,7 @@ def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int, routes
         try:
             out = fn(tiles, 0)
             ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            us = _time_us(lambda r: fn(tiles, r), routes)
+            us = graph_time_us(lambda r: fn(tiles, r), routes)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
             rows.append((float("inf"), f"| {tiles} | failed: {type(exc).__name__} | | |"))
             continue
