@@ -109,18 +109,19 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
         w = w + 1.0
     for i in tl.static_range(TOKENS):  # unrolled: the tokens' loads are independent
         t = group * TOKENS + i
-        m = cmask & (t < N)
+        tb = cols * 0 + t  # the token index as a block: masks built from it are block-wise bools
+        m = cmask & (tb < N)
         x = tl.load(x_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
         total = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as the unfused add rounds it
         total32 = total.to(tl.float32)
         inv = tl.rsqrt(tl.sum(total32 * total32, 1) / H + eps)  # as norm_triton._normalize
         normed = (total32 * inv[:, None] * w).to(normed_ptr.dtype.element_ty)
-        mine = m & (t % nprog == pid)  # each token's rows are written by one program
+        mine = m & (tb % nprog == pid)  # each token's rows are written by one program
         tl.store(res_out_ptr + t * H + cols, total, mask=mine)
         tl.store(normed_ptr + t * H + cols, normed, mask=mine)
         logit = tl.sum(normed.to(tl.float32) * router, 1)  # [ROWS], rounded below as the GEMV's output
-        tl.store(logits_ptr + t * R + rows, logit.to(logits_ptr.dtype.element_ty), mask=rmask & (t < N))
+        tl.store(logits_ptr + t * R + rows, logit.to(logits_ptr.dtype.element_ty), mask=rmask & (rows * 0 + t < N))
 
     tl.debug_barrier()  # every thread's logits stored before the release below
     arrived = tl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")

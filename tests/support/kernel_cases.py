@@ -113,7 +113,7 @@ def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, h
                     top_k: int, inter: int, shared: int, gemv_limit: int | None = None) -> None:
     """Routing, then grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or
     ``gemv_limit``) or the sorted grouped GEMM, the shared expert folded in when sizes match."""
-    from ninfer.engine.layers import moe
+    from ninfer.engine.layers import fused_linear, moe
     from ninfer.engine.layers.moe import SparseMoeBlock
 
     if gemv_limit is not None:
@@ -124,6 +124,7 @@ def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, h
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     with monkeypatch.context() as m:
         m.setattr(moe, "on_triton", lambda t: False)
+        m.setattr(fused_linear, "on_triton", lambda t: False)  # the shared expert's projections too
         ref = block(x)
         assert block.fuse_projections() == (shared == inter)
         ref_fused = block(x)
