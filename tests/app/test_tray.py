@@ -62,6 +62,18 @@ def healthy(url: str) -> bool:
         return False
 
 
+def startup_report(tray: subprocess.Popen, state: Path, app_home: Path) -> str:
+    """What the tray printed, how often it started the stand-in server and the server log: why
+    the server never answered (the tray is stopped to read its output)."""
+    tray.kill()
+    output = tray.communicate(timeout=10)[0]
+    starts = state / "fake" / "starts"
+    logs = sorted(app_home.rglob("*.log"))
+    tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+    return (f"tray exit {tray.returncode}, output:\n{output[-4000:]}\nstand-in server starts: "
+            f"{starts.read_text() if starts.exists() else 0}\n{tails}")
+
+
 def test_tray_menu_under_xvfb(display, tmp_path, app_home):
     env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "xorg", "NINFER_APP_HOME": str(app_home)}
     port = free_port()
@@ -78,7 +90,8 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
         assert docked[0] == "docked", docked
         x, y = docked[3], docked[4]
         # generous: on a loaded 2-core CI machine the tray's start-up (plan, supervisor, child) can be slow
-        wait_until(lambda: healthy(f"http://127.0.0.1:{port}/health"), timeout=60.0, what="the stand-in server")
+        if not wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 60.0):
+            raise AssertionError(f"the stand-in server never answered on port {port}\n{startup_report(tray, tmp_path, app_home)}")
         time.sleep(0.5)  # the icon turns green
 
         open_menu(env, x, y)
