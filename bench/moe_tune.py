@@ -22,8 +22,9 @@ from .gpu_env import graph_time_us
 from .shapes import shape_config
 
 
-def candidates(block_ns, block_ks, warps):
-    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, k, w in itertools.product(block_ns, block_ks, warps)]
+def candidates(block_ns, block_ks, warps, **fixed):
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, **fixed}
+            for n, k, w in itertools.product(block_ns, block_ks, warps)]
 
 
 def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int, routes: int) -> list[str]:
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
                           lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.DOWN_TILES,
-                          candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8]),
+                          candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8], ALL_SLOTS=False)
+                          + candidates([1, 2, 4, 8], [64, 128, 256], [2, 4, 8], ALL_SLOTS=True),
                           distinct * hid * inter * 2, routes):
             print(line)
     return 0

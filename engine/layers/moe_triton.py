@@ -171,28 +171,54 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, strid
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, wts_ptr, out_ptr, HID, I, E, stride_we, stride_wn, stride_sn,
-                 SLOTS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SLOTS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ALL_SLOTS: tl.constexpr):
+    """Program ``(t, i)``: output rows ``[i * BLOCK_N, (i + 1) * BLOCK_N)`` of token ``t``, summed
+    over its slots. ``ALL_SLOTS``: every slot's rows gathered into one ``[S_PAD * BLOCK_N,
+    BLOCK_K]`` tile per step along K (all their loads in flight at once), else slot after slot."""
     t = tl.program_id(0)
-    rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rmask = rows < HID
-    slot = tl.arange(0, S_PAD)
-    # every slot's expert id and weight up front: the unrolled loop below has no dependent loads
-    ids = tl.load(ids_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0).to(tl.int64)
-    wts = tl.load(wts_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0.0)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(SLOTS):
-        e = tl.sum(tl.where(slot == j, ids, 0), 0)
-        wt = tl.sum(tl.where(slot == j, wts, 0.0), 0)
+    if ALL_SLOTS:
+        pair = tl.arange(0, S_PAD * BLOCK_N)  # (slot, row) pairs, slot-major
+        slot = pair // BLOCK_N
+        rows = (tl.program_id(1) * BLOCK_N + pair % BLOCK_N).to(tl.int64)
+        smask = slot < SLOTS
+        mask = smask & (rows < HID)
+        e = tl.load(ids_ptr + t * SLOTS + slot, mask=smask, other=0).to(tl.int64)
+        wt = tl.load(wts_ptr + t * SLOTS + slot, mask=smask, other=0.0)
         base = expert_rows(w_ptr, shared_ptr, e, E, rows, stride_we, stride_wn, stride_sn)[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        h_row = h_ptr + (t * SLOTS + slot)[:, None] * I
+        acc = tl.zeros([S_PAD * BLOCK_N], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < I
-            h = tl.load(h_ptr + (t * SLOTS + j) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32) * h
-        y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
-        total += wt * y
-    tl.store(out_ptr + t * HID + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
+            m = mask[:, None] & (cols < I)[None, :]
+            h = tl.load(h_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.load(base + cols[None, :], mask=m, other=0.0).to(tl.float32) * h, 1)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt  # each expert's output rounded, weighted
+        total = tl.sum(tl.reshape(y, [S_PAD, BLOCK_N]), 0)
+        out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t * HID + out_rows, total.to(out_ptr.dtype.element_ty), mask=out_rows < HID)
+    else:
+        rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < HID
+        slot = tl.arange(0, S_PAD)
+        # every slot's expert id and weight up front: the unrolled loop below has no dependent loads
+        ids = tl.load(ids_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0).to(tl.int64)
+        wts = tl.load(wts_ptr + t * SLOTS + slot, mask=slot < SLOTS, other=0.0)
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(SLOTS):
+            e = tl.sum(tl.where(slot == j, ids, 0), 0)
+            wt = tl.sum(tl.where(slot == j, wts, 0.0), 0)
+            base = expert_rows(w_ptr, shared_ptr, e, E, rows, stride_we, stride_wn, stride_sn)[:, None]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in tl.range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < I
+                h = tl.load(h_ptr + (t * SLOTS + j) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                               other=0.0).to(tl.float32) * h
+            y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            total += wt * y
+        tl.store(out_ptr + t * HID + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 def route_triton(logits: torch.Tensor, top_k: int, num_experts: int, norm_topk_prob: bool,
@@ -275,8 +301,9 @@ def shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tenso
 # Tile sizes of the two grouped GEMVs, the fastest of ``python -m bench.moe_tune`` on an H200 at
 # the 35B-A3B shape (1 and 8 tokens, in CUDA graphs): gate_up 10.9 us per layer at one token (was
 # 15.3 with 8 rows x 4 warps), down 10.2 us (was 11.2); bench/RESULTS.md has the tables.
+# ``ALL_SLOTS`` (the down kernel reading every slot's rows at once) has not been timed on a GPU yet.
 GATE_UP_TILES = {"BLOCK_N": 1, "BLOCK_K": 512, "num_warps": 2}
-DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}
+DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, "ALL_SLOTS": False}
 
 
 def _tiles(default: dict, tiles: dict | None, k: int) -> dict:

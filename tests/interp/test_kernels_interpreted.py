@@ -141,3 +141,22 @@ def test_assignments_grouped_by_expert_in_whole_blocks():
         seen += real
     assert sorted(seen) == list(range(flat.numel()))  # every assignment exactly once
     assert block_expert.tolist() == sorted(block_expert.tolist())
+
+
+@pytest.mark.parametrize("tiles", [{"ALL_SLOTS": False, "BLOCK_N": 4, "BLOCK_K": 16},
+                                   {"ALL_SLOTS": True, "BLOCK_N": 4, "BLOCK_K": 16},
+                                   {"ALL_SLOTS": True, "BLOCK_N": 1, "BLOCK_K": 64}])
+def test_moe_down_both_forms(tiles):
+    """The grouped down GEMV, slot after slot or all slots' rows in one tile, against torch:
+    per token the weighted sum over its slots of the expert's (or the shared expert's) rows."""
+    from ninfer.engine.layers import moe_triton as mt
+
+    e, hid, inter, k = 16, 42, 48, 4  # ragged: 42 rows in blocks of 4, 48 columns in blocks of 64
+    w, shared = torch.randn(e, hid, inter), torch.randn(hid, inter)
+    for n in (1, 3):
+        ids, wts = mt.route_triton(torch.randn(n, e + 1), k, e, True, True)
+        h = torch.randn(n * (k + 1), inter)
+        out = mt.moe_down_triton(h, w, shared, ids, wts, tiles)
+        experts = torch.cat([w, shared[None]])[ids.long()]  # [n, k + 1, hid, inter]
+        ref = torch.einsum("nshi,nsi->nsh", experts, h.view(n, k + 1, inter)).mul(wts[..., None]).sum(1)
+        assert rel_err(out, ref) < 1e-5
