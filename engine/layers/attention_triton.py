@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import inv_rms
+
 
 @triton.jit
 def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_ptr, inv_freq_ptr,
@@ -34,7 +36,7 @@ def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_pt
     x = tl.load(src + d).to(tl.float32)
     xp = tl.load(src + partner).to(tl.float32)
     if NORM != 0:
-        inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        inv = inv_rms(x, D, eps, 0)
         w = tl.load(w_ptr + d).to(tl.float32)
         wp = tl.load(w_ptr + partner).to(tl.float32)
         if NORM == 2:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import inv_rms
+
 
 @triton.jit
 def _window(x_ptr, window_ptr, cols, C, W: tl.constexpr, W_PAD: tl.constexpr):
@@ -92,7 +94,7 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like the step's output
 
     z = tl.load(z_ptr + bi * stride_z + hv * V + vv).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
+    inv = inv_rms(o, V, eps, 0)
     y = o * inv * tl.load(nw_ptr + vv).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + (bi * HV + hv) * V + vv, y.to(out_ptr.dtype.element_ty))
 

@@ -23,7 +23,7 @@ class GatedMLP(nn.Module):
         if self._fused is not None:
             h = silu_mul(*split_linear(x, self._fused, self._sizes))
         else:
-            # the same GEMV as the fused weight's rows get, so fusing changes no result
+            # through decode_linear like the fused projection (the GEMV where gemv_tiles picks it)
             h = silu_mul(decode_linear(x, self.gate_proj.weight, self.gate_proj.bias),
                          decode_linear(x, self.up_proj.weight, self.up_proj.bias))
         return decode_linear(h, self.down_proj.weight, self.down_proj.bias)

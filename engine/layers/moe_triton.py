@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import inv_rms, norm_weight
+
 
 @triton.jit
 def expert_rows(w_ptr, shared_ptr, e, shared_id, rows, stride_we, stride_wn, stride_sn):
@@ -104,9 +106,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
     # this program's router rows, read once (from HBM), issued before anything waits on a load
     router = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_r + cols, mask=rmask[:, None] & cmask,
                      other=0.0).to(tl.float32)
-    w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
+    w = norm_weight(nw_ptr, cols, cmask, ZERO_CENTERED)
     for i in tl.static_range(TOKENS):  # unrolled: the tokens' loads are independent
         t = group * TOKENS + i
         tb = cols * 0 + t  # the token index as a block: masks built from it are block-wise bools
@@ -115,7 +115,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
         r = tl.load(res_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
         total = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as the unfused add rounds it
         total32 = total.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(total32 * total32, 1) / H + eps)  # as norm_triton._normalize
+        inv = inv_rms(total32, H, eps, 1)
         normed = (total32 * inv[:, None] * w).to(normed_ptr.dtype.element_ty)
         mine = m & (tb % nprog == pid)  # each token's rows are written by one program
         tl.store(res_out_ptr + t * H + cols, total, mask=mine)

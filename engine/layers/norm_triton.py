@@ -12,13 +12,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _normalize(x, w_ptr, cols, mask, D, eps, ZERO_CENTERED: tl.constexpr):
-    """One fp32 row (zeros past ``D``) times ``rsqrt(mean(x^2) + eps)`` and the weight."""
-    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+def inv_rms(x, D, eps, AXIS: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of fp32 rows ``D`` long along ``AXIS`` (zeros past ``D``)."""
+    return tl.rsqrt(tl.sum(x * x, AXIS) / D + eps)
+
+
+@triton.jit
+def norm_weight(w_ptr, cols, mask, ZERO_CENTERED: tl.constexpr):
+    """The norm's scale in fp32: ``w``, or ``1 + w`` when zero-centred (0 where ``mask`` is off)."""
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    return x * inv * w
+    return w
+
+
+@triton.jit
+def _normalize(x, w_ptr, cols, mask, D, eps, ZERO_CENTERED: tl.constexpr):
+    """One fp32 row (zeros past ``D``) times ``rsqrt(mean(x^2) + eps)`` and the weight."""
+    return x * inv_rms(x, D, eps, 0) * norm_weight(w_ptr, cols, mask, ZERO_CENTERED)
 
 
 @triton.jit
@@ -55,7 +66,7 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, eps, ROWS: tl.con
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    inv = inv_rms(x, D, eps, 1)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w[None, :] * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -6,8 +6,8 @@ writes partial max / sum / accumulator. Each sequence's context is cut into ``nu
 shares from its length read on the device, and ``num_splits`` is chosen from the batch so that
 about two programs run per SM: a lone 4K-token sequence still spreads over the whole card. Phase
 2: one program per (sequence, query head, slice of the head dim) merges the splits and, for
-gated attention (Qwen3.5), multiplies by ``sigmoid(gate)``. Grid sizes depend only on the batch and the pool's maximum pages
-per sequence, so a step can be captured in a CUDA graph.
+gated attention (Qwen3.5), multiplies by ``sigmoid(gate)``. Grid sizes depend only on the batch
+and the pool's maximum pages per sequence, so a step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
