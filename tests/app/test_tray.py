@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ninfer.app._process import stop_pid
+from ninfer.app.console import SERVER_PID
 from support.server_process import free_port
 from support.waiting import wait_for, wait_until
 
@@ -64,14 +66,16 @@ def healthy(url: str) -> bool:
 
 def startup_report(tray: subprocess.Popen, state: Path, app_home: Path) -> str:
     """What the tray printed, how often it started the stand-in server and the server log: why
-    the server never answered (the tray is stopped to read its output)."""
+    the server never answered (the tray is killed to read its output; the test's cleanup stops
+    the server it may have left)."""
     tray.kill()
     output = tray.communicate(timeout=10)[0]
     starts = state / "fake" / "starts"
     logs = sorted(app_home.rglob("*.log"))
     tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+    pid_files = [f"{p.name}: {p.read_text().strip()}" for p in app_home.rglob(SERVER_PID)] or ["no server pid file"]
     return (f"tray exit {tray.returncode}, output:\n{output[-4000:]}\nstand-in server starts: "
-            f"{starts.read_text() if starts.exists() else 0}\n{tails}")
+            f"{starts.read_text() if starts.exists() else 0}; {'; '.join(pid_files)}\n{tails}")
 
 
 def test_tray_menu_under_xvfb(display, tmp_path, app_home):
@@ -128,5 +132,7 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
     finally:
         if tray is not None and tray.poll() is None:
             tray.kill()
+        for pid_file in app_home.rglob(SERVER_PID):  # a killed tray leaves its server running
+            stop_pid(pid_file)
         host.kill()
         host.wait()
