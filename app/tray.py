@@ -9,6 +9,7 @@ import copy
 import logging
 import subprocess
 import sys
+import threading
 from functools import lru_cache
 from typing import Callable
 
@@ -260,6 +261,8 @@ class TrayIcon:
             self.icon._window.change_attributes(  # noqa: SLF001
                 event_mask=Xlib.X.ExposureMask | Xlib.X.StructureNotifyMask | Xlib.X.ButtonPressMask)
             self.icon._display.flush()  # noqa: SLF001
+        self._stale = threading.Event()
+        threading.Thread(target=self._refresh_loop, name="ninfer-tray-refresh", daemon=True).start()
         app.on_change = self.refresh
 
     def _run(self, entry: Entry) -> None:
@@ -288,6 +291,21 @@ class TrayIcon:
                 self._run(entry)
 
     def refresh(self) -> None:
+        """Have the icon, title and menu follow the app's status. Called from the supervisor's
+        thread: pystray's X backend can hold the display while its loop waits for an X event, so
+        the update runs on a thread of its own and the supervisor never waits on the display."""
+        self._stale.set()
+
+    def _refresh_loop(self) -> None:
+        while True:
+            self._stale.wait()
+            self._stale.clear()
+            try:
+                self._refresh_now()
+            except Exception:  # a broken display must not stop later updates
+                logging.getLogger("ninfer.app").exception("tray refresh failed")
+
+    def _refresh_now(self) -> None:
         self.icon.icon = icon_image(self.app.status.state)
         self.icon.title = "NInfer: " + self.app.headline()
         if self.has_menu:
