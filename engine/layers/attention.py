@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.paged import PagedSequenceCache
-from .fused_linear import decode_linear, fuse_linears, split_linear
+from .fused_linear import decode_linear, fuse_linears, norm_linear, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
@@ -113,17 +113,32 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``.
+        In a decode step with fused projections the add + norm ride in the q/k/v projection
+        (``fused_linear.norm_linear``: one launch on Triton for few rows)."""
+        if batch.decode is None or self._fused is None:
+            hidden, residual = norm(x, residual)
+            return self(hidden, batch), residual
+        qkv, residual = norm_linear(x, residual, norm, self._fused)
+        return self._attend(*qkv.split(self._sizes, dim=-1), batch), residual
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; appends K/V to each cache."""
-        n = hidden.shape[0]
         if self._fused is not None:
             q, k, v = split_linear(hidden, self._fused, self._sizes)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        if batch.decode is not None and on_triton(hidden):
+        return self._attend(q, k, v, batch)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """From the projections ``[N, *]`` to the output projection's result ``[N, hidden]``."""
+        n = q.shape[0]
+        if batch.decode is not None and on_triton(q):
             out = self._decode_fused(q, k, v, batch.positions, batch.decode)
             return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
-        if on_triton(hidden) and batch.caches and all(isinstance(c, PagedSequenceCache) for c in batch.caches):
+        if on_triton(q) and batch.caches and all(isinstance(c, PagedSequenceCache) for c in batch.caches):
             return self._o_proj(self._prefill_fused(q, k, v, batch).reshape(n, self.num_heads * self.head_dim))
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]

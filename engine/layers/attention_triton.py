@@ -15,13 +15,15 @@ import triton
 import triton.language as tl
 
 from .norm_triton import inv_rms
+from .pdl import pdl_options, pdl_wait
 
 
 @triton.jit
 def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_ptr, inv_freq_ptr,
                        qw_ptr, kw_ptr, write_ptr, k_pages_ptr, v_pages_ptr, q_out_ptr, eps,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
-                       ROT: tl.constexpr, NORM: tl.constexpr):
+                       ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     d = tl.arange(0, D)
@@ -80,5 +82,6 @@ def decode_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, inv_freq,
         q_norm if q_norm is not None else inv_freq, k_norm if k_norm is not None else inv_freq,
         write_index, k_pages, v_pages, out, eps,
-        H=num_heads, HKV=hkv, D=d, Q_HEAD_STRIDE=q_head_stride, ROT=rot, NORM=norm, num_warps=1)
+        H=num_heads, HKV=hkv, D=d, Q_HEAD_STRIDE=q_head_stride, ROT=rot, NORM=norm, num_warps=1,
+        **pdl_options(q))
     return out

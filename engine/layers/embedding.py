@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .fused_linear import decode_linear
 
 
 class LMHead(nn.Module):
@@ -29,4 +30,4 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.lm_weight
-        return F.linear(hidden.to(w.dtype), w).float()
+        return decode_linear(hidden.to(w.dtype), w).float()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_linear
-from .fused_linear import decode_linear, fuse_linears, split_linear
+from .fused_linear import decode_linear, fuse_linears, norm_linear, split_linear
 from .triton_switch import on_triton
 from .gdn_ops import (
     causal_conv1d,
@@ -124,22 +124,40 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(hidden)
         return (qkv,), z, b, a
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``.
+        In a decode step with fused projections the add + norm ride in the input projection
+        (``fused_linear.norm_linear``: one launch on Triton for few rows)."""
+        if batch.decode is None or self._fused is None:
+            hidden, residual = norm(x, residual)
+            return self(hidden, batch), residual
+        proj, residual = norm_linear(x, residual, norm, self._fused)
+        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        return self._decode_step(*proj.split(sizes, dim=-1), batch), residual
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
         n = hidden.shape[0]
         if batch.decode is not None:
-            qkv, z, b, a = self.project(hidden)
-            if on_triton(hidden):
-                return decode_linear(self._decode_fused(qkv, z, a, b, batch.decode), self.out_proj.weight)
-            g, beta = self._gates(a, b)
-            out = self._decode(qkv, g, beta, batch.decode)
-        else:
-            groups, z, b, a = self.project_parts(hidden)
-            g, beta = self._gates(a, b)
-            parts = [self._mix_sequence(tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache).to(hidden.dtype)
-                     for (s, e), cache in zip(batch.slices, batch.caches) if e > s]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
-                hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
+            return self._decode_step(*self.project(hidden), batch)
+        groups, z, b, a = self.project_parts(hidden)
+        g, beta = self._gates(a, b)
+        parts = [self._mix_sequence(tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache).to(hidden.dtype)
+                 for (s, e), cache in zip(batch.slices, batch.caches) if e > s]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
+            hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.reshape(n, self.value_dim))
+
+    def _decode_step(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     batch: ForwardBatch) -> torch.Tensor:
+        """A decode step from the input projections: one token per sequence -> ``[N, hidden]``."""
+        if on_triton(qkv):
+            return decode_linear(self._decode_fused(qkv, z, a, b, batch.decode), self.out_proj.weight)
+        g, beta = self._gates(a, b)
+        out = self._decode(qkv, g, beta, batch.decode)
+        n = qkv.shape[0]
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(n, self.value_dim))
 
@@ -214,6 +232,10 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def _make_projections(self, hidden_size: int) -> None:
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def fuse_projections(self) -> bool:
+        """Kept apart: ``project`` regroups the per-key-head rows, so one GEMM would save nothing."""
+        return False
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n, hk = hidden.shape[0], self.num_k_heads

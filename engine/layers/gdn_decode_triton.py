@@ -1,18 +1,21 @@
 """One fused Triton kernel for a Gated DeltaNet decode step, working in place on the state pool.
 
-One program per (sequence, value head) does, from the raw projections:
+One program per (sequence, value head, block of ``BLOCK_V`` value columns) does, from the raw
+projections:
 
-- the depthwise causal conv over [last W-1 inputs | new input] and SiLU for the channels the head
-  reads (its key head's q and k, its own v), and the shift of those channels' conv state;
+- the depthwise causal conv over [last W-1 inputs | new input] and SiLU for the channels it reads
+  (its key head's q and k, its own v columns), and the shift of its v channels' conv state;
 - l2-normalised q and k, ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, the
-  delta-rule update of the head's fp32 state in place in the slot, and the head's output;
-- the output norm of the layer, ``rmsnorm(o) * weight * silu(z)`` over the head.
+  delta-rule update of its columns of the head's fp32 state in place in the slot, and those
+  columns of the head's output.
 
-The value heads of one key head all read its q / k conv state, so none of them may shift it
-before the others have read it: each program counts itself in on a per-(slot, key head) counter
-after reading (a barrier first, so all its threads have read), and the one that arrives last does
-the shift from the window it read. The counters only grow (int64), and
-every step adds exactly one arrival per value head, so "last" is ``count % group == group - 1``.
+The programs of one key head (its value heads times their column blocks) then meet on a
+per-(slot, key head) counter: each counts itself in after its reads of the conv windows and its
+output stores (a barrier first, so all its threads are done), and the one that arrives last
+shifts the key head's q / k conv state (nobody reads it any more) and applies the layer's output
+norm, ``rmsnorm(o) * weight * silu(z)`` over each value head, to the outputs the others wrote.
+The counters only grow (int64) and every step adds the same number of arrivals per key head, so
+"last" is ``count % arrivals == arrivals - 1``.
 
 One launch replaces three (conv, recurrence, gated norm) and the two dozen small ops of the torch
 path (``GatedDeltaNet._decode`` + ``GatedRMSNorm``, the reference this is tested against); slot
@@ -25,6 +28,11 @@ import triton
 import triton.language as tl
 
 from .norm_triton import inv_rms
+from .pdl import pdl_options, pdl_wait
+
+# Value columns per program: a 128 x 128 head in four programs of 128 x 32, so a batch-1 step runs
+# four times as many programs as there are value heads (32 programs left most of an H200 idle).
+BLOCK_V = 32
 
 
 @triton.jit
@@ -55,14 +63,20 @@ def _shift(tile, window_ptr, cols, C, W: tl.constexpr, W_PAD: tl.constexpr):
 @triton.jit
 def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr,
                      count_ptr, nw_ptr, out_ptr, stride_qkv, stride_z, stride_a, stride_b, stride_count, C, scale, eps,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                     W_PAD: tl.constexpr):
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Program ``(b, hv, j)``: value columns ``[j * BV, (j + 1) * BV)`` of value head ``hv`` of
+    sequence ``b``; the key head's last program to arrive also shifts the q / k conv state and
+    normalises the outputs of the key head's value heads."""
+    pdl_wait(PDL)  # the projections come from the kernel before; the state pools are read and written
     bi = tl.program_id(0)
     hv = tl.program_id(1)
+    vb = tl.program_id(2)
     group: tl.constexpr = HV // H
+    arrivals: tl.constexpr = group * (V // BV)  # programs per (sequence, key head)
     h = hv // group
     kk = tl.arange(0, K)
-    vv = tl.arange(0, V)
+    vv = vb * BV + tl.arange(0, BV)
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     x_row = qkv_ptr + bi * stride_qkv
     window = conv_ptr + slot * (W - 1) * C
@@ -70,33 +84,46 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     tq = _window(x_row, window, q_cols, C, W, W_PAD)
     tk = _window(x_row, window, k_cols, C, W, W_PAD)
     tv = _window(x_row, window, v_cols, C, W, W_PAD)
+    # every other load of the step goes out now, with the windows, before anything waits on one
+    s_ptr = state_ptr + (slot * HV + hv) * K * V + kk[:, None] * V + vv[None, :]
+    s = tl.load(s_ptr)
+    x = tl.load(a_ptr + bi * stride_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+    alog = tl.load(alog_ptr + hv).to(tl.float32)
+    b = tl.load(b_ptr + bi * stride_b + hv).to(tl.float32)
     dt = qkv_ptr.dtype.element_ty
     q, k, v = _conv(tq, cw_ptr, q_cols, dt, W, W_PAD), _conv(tk, cw_ptr, k_cols, dt, W, W_PAD), \
         _conv(tv, cw_ptr, v_cols, dt, W, W_PAD)
     tl.debug_barrier()  # every thread of the program has read the windows before any is rewritten
-    _shift(tv, window, v_cols, C, W, W_PAD)  # this head's v channels: read by this program only
-    arrived = tl.atomic_add(count_ptr + slot * stride_count + h, 1, sem="acq_rel", scope="gpu")
-    if arrived % group == group - 1:  # the key head's last value head: nobody reads q / k any more
-        _shift(tq, window, q_cols, C, W, W_PAD)
-        _shift(tk, window, k_cols, C, W, W_PAD)
+    _shift(tv, window, v_cols, C, W, W_PAD)  # these v channels: read by this program only
 
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    x = tl.load(a_ptr + bi * stride_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + bi * stride_b + hv).to(tl.float32)))
-    s_ptr = state_ptr + (slot * HV + hv) * K * V + kk[:, None] * V + vv[None, :]
-    s = tl.load(s_ptr) * tl.exp(g)
+    g = -tl.exp(alog) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    s = s * tl.exp(g)
     delta = beta * (v - tl.sum(s * k[:, None], 0))
     s = s + k[:, None] * delta[None, :]
     tl.store(s_ptr, s)
-    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like the step's output
+    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty)  # rounded like the step's output
+    out_row = out_ptr + bi * HV * V
+    tl.store(out_row + hv * V + vv, o)
 
-    z = tl.load(z_ptr + bi * stride_z + hv * V + vv).to(tl.float32)
-    inv = inv_rms(o, V, eps, 0)
-    y = o * inv * tl.load(nw_ptr + vv).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + (bi * HV + hv) * V + vv, y.to(out_ptr.dtype.element_ty))
+    tl.debug_barrier()  # every thread's reads of the windows and stores of o come before the release
+    arrived = tl.atomic_add(count_ptr + slot * stride_count + h, 1, sem="acq_rel", scope="gpu")
+    if arrived % arrivals == arrivals - 1:  # the key head's last program: all its heads' o are written
+        _shift(tq, window, q_cols, C, W, W_PAD)
+        _shift(tk, window, k_cols, C, W, W_PAD)
+        j = tl.arange(0, G_PAD)[:, None]
+        cols = (h * group + j) * V + tl.arange(0, V)[None, :]  # [G_PAD, V]: the key head's value heads
+        mine = (j + cols * 0) < group
+        # .cg: from L2, where the other programs' stores landed, never a stale L1 line
+        heads_o = tl.load(out_row + cols, mask=mine, other=0.0, cache_modifier=".cg").to(tl.float32)
+        heads_z = tl.load(z_ptr + bi * stride_z + cols, mask=mine, other=0.0).to(tl.float32)
+        inv = inv_rms(heads_o, V, eps, 1)
+        y = heads_o * inv[:, None] * tl.load(nw_ptr + tl.arange(0, V)).to(tl.float32)[None, :] \
+            * (heads_z / (1.0 + tl.exp(-heads_z)))
+        tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mine)
 
 
 def _rows(t: torch.Tensor, name: str) -> int:
@@ -110,27 +137,30 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
                            conv_pool: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                            dt_bias: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
                            counts: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           num_k_heads: int) -> torch.Tensor:
+                           num_k_heads: int, block_v: int | None = None) -> torch.Tensor:
     """``qkv`` ``[B, C]`` pre-conv rows ([q | k | v]), ``z`` ``[B, HV*V]``, ``a``/``b`` ``[B, HV]``
     (views of one projection's output are fine); ``conv_pool`` ``[slots, W-1, C]`` and ``state_pool``
-    ``[slots, HV, K, V]`` fp32 updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``.
-    Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
+    ``[slots, HV, K, V]`` fp32 updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``, whose
+    launches must all use the same ``block_v`` (value columns per program, ``BLOCK_V`` when None,
+    at most V). Returns the normed,
+    gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
     bsz, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
     if state_pool.dtype != torch.float32 or not state_pool.is_contiguous() or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"gdn step: state pool {tuple(state_pool.shape)} {state_pool.dtype}")
     if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or conv_pool.dtype != qkv.dtype \
-            or hv % num_k_heads \
-            or c != 2 * num_k_heads * dk + hv * dv:
+            or hv % num_k_heads or c != 2 * num_k_heads * dk + hv * dv:
         raise ValueError(f"gdn step: conv pool {tuple(conv_pool.shape)} for qkv {tuple(qkv.shape)}, width {width}")
     if counts.dtype != torch.int64 or counts.shape[1] < num_k_heads or counts.stride(1) != 1:
         raise ValueError(f"gdn step: counters {tuple(counts.shape)} {counts.dtype}")
+    block_v = min(block_v or BLOCK_V, dv)
     out = torch.empty((bsz, hv * dv), dtype=qkv.dtype, device=qkv.device)
     if bsz:
-        _gdn_step_kernel[(bsz, hv)](
+        _gdn_step_kernel[(bsz, hv, dv // block_v)](
             qkv, z, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
             slot_ids, counts, norm_weight, out, _rows(qkv, "qkv"), _rows(z, "z"), _rows(a, "a"), _rows(b, "b"),
             counts.stride(0), c, dk**-0.5, eps,
-            H=num_k_heads, HV=hv, K=dk, V=dv, W=width, W_PAD=triton.next_power_of_2(width), num_warps=8 if dk * dv >= 128 * 128 else 4)
+            H=num_k_heads, HV=hv, K=dk, V=dv, BV=block_v, G_PAD=triton.next_power_of_2(hv // num_k_heads),
+            W=width, W_PAD=triton.next_power_of_2(width), num_warps=4, **pdl_options(qkv))
     return out

@@ -11,12 +11,23 @@ no memset, no host sync (safe inside CUDA-graph capture).
 Accumulation is fp32; the bias (if any) is added in fp32 and the result cast once, like
 ``torch.nn.functional.linear``, which is the reference (``tests/interp``, ``tests/gpu``).
 ``bench/gemv_tune.py`` times the tiles against cuBLAS.
+
+``norm_gemv_triton`` is the same launch with the pre-norm block's "add the branch, normalise" in
+front: the input rows are ``x + residual`` (rounded to the model dtype, as the unfused add rounds
+them), scaled per column by the RMSNorm weight; their sum of squares is gathered along K in the
+same loop and ``rsqrt(mean + eps)`` multiplies the dot products at the end, so the norm costs no
+launch and no pass of its own (every program reads the whole input row anyway). The first program
+writes ``x + residual`` out. Against ``RMSNorm(x, residual)`` then ``F.linear`` (the reference) the
+only difference is that the normalised row is never rounded to the model dtype.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .norm_triton import norm_weight
+from .pdl import pdl_options, pdl_wait
 
 # Tiles for one input row, not yet timed here: moe_triton's gate/up GEMV measured best on an H200
 # at 1 row of gate and 1 of up per program (two 16-byte loads in flight per thread), BLOCK_K 512,
@@ -31,10 +42,15 @@ _VECTOR_BYTES = 16
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_ym, eps, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr,
+                 ZERO_CENTERED: tl.constexpr, PDL: tl.constexpr):
+    """``NORM``: the input rows are ``x + res`` (``res`` rows ``K`` apart, the sum written to
+    ``res_out`` by program 0) under RMSNorm with weight ``nw``. ``PDL``: the first weight chunk is
+    loaded before waiting for the kernel before (``pdl.pdl_wait``)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     # ragged N: the tail program re-reads row N-1 instead of masking, so weight loads stay unmasked
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
@@ -48,17 +64,36 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     # each chunk's products are summed over their vector in registers, the threads' partial sums
     # only once after the loop
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // VEC], tl.float32)
+    sq = tl.zeros([M_PAD, 1], tl.float32)  # NORM: the input rows' sums of squares
+    # the first chunk of this program's weight rows: nothing writes weights, so it may be read
+    # before the wait, while the kernel before finishes
+    w_first = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
+    pdl_wait(PDL)
     for k0 in tl.range(0, K, BLOCK_K):
+        kmask = (k0 + k < K)[None, None, :]
+        later = (k0 + k >= BLOCK_K)[None, None, :]  # past the first chunk
         if EVEN_K:
-            w = tl.load(w_ptrs + k0)
+            w = tl.load(w_ptrs + k0, mask=later, other=0.0)
             x = tl.load(x_ptrs + k0)
         else:
-            kmask = (k0 + k < K)[None, None, :]
-            w = tl.load(w_ptrs + k0, mask=kmask, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=kmask & later, other=0.0)
             x = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
-        prod = w.to(tl.float32) * x.to(tl.float32)  # [M_PAD, BLOCK_N, BLOCK_K]
+        w = tl.where(later, w, w_first)
+        x = x.to(tl.float32)
+        if NORM:
+            in_rows = m[:, None, None] * K + k0 + k[None, None, :]  # [M_PAD, 1, BLOCK_K] in x + res
+            r = tl.load(res_ptr + m_in[:, None, None] * K + k0 + k[None, None, :], mask=kmask, other=0.0)
+            total = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # rounded as the unfused add
+            if pid == 0:
+                tl.store(res_out_ptr + in_rows, total, mask=kmask & (m < M)[:, None, None])
+            x = total.to(tl.float32)
+            sq += tl.sum(x * x, 2)
+            x = x * norm_weight(nw_ptr, k0 + k, k0 + k < K, ZERO_CENTERED)[None, None, :]
+        prod = w.to(tl.float32) * x  # [M_PAD, BLOCK_N, BLOCK_K]
         acc += tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, BLOCK_K // VEC, VEC]), 3)
     y = tl.sum(acc, 2)
+    if NORM:
+        y = y * tl.rsqrt(sq / K + eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_in).to(tl.float32)[None, :]
     out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
@@ -93,9 +128,33 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return y
     if k == 0:
         return y.copy_((bias if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
-    t = gemv_config(m, k, tiles, weight.element_size())
-    block_n = t["BLOCK_N"]
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, **t)
+    _launch(x, weight, bias, y, tiles)
     return y
+
+
+def _launch(x, weight, bias, y, tiles, residual=None, nw=None, res_out=None, eps=0.0, zero_centered=False):
+    m, k = x.shape
+    t = gemv_config(m, k, tiles, weight.element_size())
+    _gemv_kernel[(triton.cdiv(weight.shape[0], t["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, y, x if residual is None else residual,
+        weight if nw is None else nw, y if res_out is None else res_out, m, weight.shape[0], k, x.stride(0),
+        weight.stride(0), y.stride(0), eps, HAS_BIAS=bias is not None, NORM=residual is not None,
+        ZERO_CENTERED=zero_centered, **t, **pdl_options(x))
+
+
+def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     zero_centered: bool, weight: torch.Tensor, tiles: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(RMSNorm(residual + x)), residual + x)`` in one launch: ``x`` and ``residual``
+    ``[M, K]``, ``norm_weight`` ``[K]`` (``1 + w`` when ``zero_centered``), ``weight`` ``[N, K]``
+    contiguous, no bias."""
+    if x.dim() != 2 or residual.shape != x.shape or norm_weight.shape != (x.shape[1],) \
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} (contiguous [N, K])")
+    x, residual = x.contiguous(), residual.contiguous()
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(residual)
+    if x.numel() and weight.shape[0]:
+        _launch(x, weight, None, y, tiles, residual, norm_weight, res_out, eps, zero_centered)
+    return y, res_out

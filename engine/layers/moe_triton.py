@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .norm_triton import inv_rms, norm_weight
+from .pdl import pdl_options, pdl_wait
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
                        count_ptr, N, H, R, E, stride_r, eps,
                        ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                        TOKENS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, K_PAD: tl.constexpr,
-                       E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr):
+                       E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
     """Program ``(i, g)``: residual add + RMSNorm of the ``TOKENS`` tokens of group ``g`` and their
     logits for router rows ``[i * ROWS, (i + 1) * ROWS)``; the group's program that arrives last
     (its counter ``count[g]``) routes the group's tokens and puts the counter back to zero."""
@@ -107,6 +108,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
     router = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_r + cols, mask=rmask[:, None] & cmask,
                      other=0.0).to(tl.float32)
     w = norm_weight(nw_ptr, cols, cmask, ZERO_CENTERED)
+    pdl_wait(PDL)  # the weights above are read while the kernel before finishes
     for i in tl.static_range(TOKENS):  # unrolled: the tokens' loads are independent
         t = group * TOKENS + i
         tb = cols * 0 + t  # the token index as a block: masks built from it are block-wise bools
@@ -147,7 +149,8 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, stride_we, stride_wn, stride_sn,
-                    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # the expert ids come from the kernel before
     a = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < I
@@ -172,10 +175,11 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, out_ptr, I, HID, E, strid
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, wts_ptr, out_ptr, HID, I, E, stride_we, stride_wn, stride_sn,
                  SLOTS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ALL_SLOTS: tl.constexpr):
+                 ALL_SLOTS: tl.constexpr, PDL: tl.constexpr):
     """Program ``(t, i)``: output rows ``[i * BLOCK_N, (i + 1) * BLOCK_N)`` of token ``t``, summed
     over its slots. ``ALL_SLOTS``: every slot's rows gathered into one ``[S_PAD * BLOCK_N,
     BLOCK_K]`` tile per step along K (all their loads in flight at once), else slot after slot."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     if ALL_SLOTS:
         pair = tl.arange(0, S_PAD * BLOCK_N)  # (slot, row) pairs, slot-major
@@ -286,7 +290,7 @@ def norm_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
             router.stride(0), eps, ZERO_CENTERED=zero_centered, BLOCK_H=triton.next_power_of_2(hid),
             ROWS=t["ROWS"], TOKENS=t["TOKENS"], TOP_K=top_k, SLOTS=slots, K_PAD=triton.next_power_of_2(slots),
             E_PAD=triton.next_power_of_2(num_experts), NORM_TOPK=norm_topk_prob, SHARED=shared,
-            num_warps=t["num_warps"])
+            num_warps=t["num_warps"], **pdl_options(x))
     return normed.view(x.shape), res_out.view(residual.shape), ids, wts
 
 
@@ -299,11 +303,18 @@ def shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tenso
 
 
 # Tile sizes of the two grouped GEMVs, the fastest of ``python -m bench.moe_tune`` on an H200 at
-# the 35B-A3B shape (1 and 8 tokens, in CUDA graphs): gate_up 10.9 us per layer at one token (was
-# 15.3 with 8 rows x 4 warps), down 10.2 us (was 11.2); bench/RESULTS.md has the tables.
-# ``ALL_SLOTS`` (the down kernel reading every slot's rows at once) has not been timed on a GPU yet.
+# the 35B-A3B shape (in CUDA graphs; bench/RESULTS.md has the tables): gate_up 10.9 us per layer
+# at one token (was 15.3 with 8 rows x 4 warps); the down GEMV at one token with every slot's rows
+# in one tile (``ALL_SLOTS``) 8.2 us against 10.5 slot after slot, which stays the form for more
+# tokens (timed at 8: 44.1 us).
 GATE_UP_TILES = {"BLOCK_N": 1, "BLOCK_K": 512, "num_warps": 2}
+DOWN_TILES_ONE_TOKEN = {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 2, "ALL_SLOTS": True}
 DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, "ALL_SLOTS": False}
+
+
+def down_tiles(n: int) -> dict:
+    """The down GEMV's default tiles for ``n`` tokens."""
+    return DOWN_TILES_ONE_TOKEN if n == 1 else DOWN_TILES
 
 
 def _tiles(default: dict, tiles: dict | None, k: int) -> dict:
@@ -327,7 +338,7 @@ def moe_gate_up_triton(x: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | 
     if n:
         _gate_up_kernel[(n * slots, triton.cdiv(inter, t["BLOCK_N"]))](
             x.contiguous(), w, shared_w, ids, out, inter, hid, e, w.stride(0), w.stride(1), stride_s,
-            SLOTS=slots, **t)
+            SLOTS=slots, **t, **pdl_options(x))
     return out
 
 
@@ -341,9 +352,9 @@ def moe_down_triton(h: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | Non
         raise ValueError(f"moe down: h {tuple(h.shape)}, w {tuple(w.shape)}, ids {tuple(ids.shape)}")
     shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n, hid), dtype=h.dtype, device=h.device)
-    t = _tiles(DOWN_TILES, tiles, inter)
+    t = _tiles(down_tiles(n), tiles, inter)
     if n:
         _down_kernel[(n, triton.cdiv(hid, t["BLOCK_N"]))](
             h.contiguous(), w, shared_w, ids, wts, out, hid, inter, e, w.stride(0), w.stride(1), stride_s,
-            SLOTS=slots, S_PAD=triton.next_power_of_2(slots), **t)
+            SLOTS=slots, S_PAD=triton.next_power_of_2(slots), **t, **pdl_options(h))
     return out

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_wait
 
 @triton.jit
 def inv_rms(x, D, eps, AXIS: tl.constexpr):
@@ -34,7 +35,8 @@ def _normalize(x, w_ptr, cols, mask, D, eps, ZERO_CENTERED: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
-                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -45,7 +47,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
-                         ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -88,7 +91,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), d, eps,
                                          ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(d),
-                                         num_warps=_warps(triton.next_power_of_2(d)))
+                                         num_warps=_warps(triton.next_power_of_2(d)), **pdl_options(x2))
     return out.view(x.shape)
 
 
@@ -103,7 +106,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, d, eps, ZERO_CENTERED=zero_centered,
-                                             BLOCK=block, num_warps=_warps(block))
+                                             BLOCK=block, num_warps=_warps(block), **pdl_options(x2))
     return out.view(x.shape), res_out.view(x.shape)
 
 

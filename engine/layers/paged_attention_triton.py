@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_wait
 PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
 MAX_SPLITS = 64
 # Head-dim columns per merge program: a lone sequence has only ``H`` heads to merge, each over up
@@ -47,7 +48,8 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
 def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                     stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -90,7 +92,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
 @triton.jit
 def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_gb, stride_gh,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
-                   S_BLOCK: tl.constexpr, GATED: tl.constexpr):
+                   S_BLOCK: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     bh = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, S_PAD)
@@ -137,7 +140,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
         q, k_pages, v_pages, block_tables, context_lens, m, l, acc, scale,
         block_tables.stride(0), num_splits,
         H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_options(q),
     )
     out = torch.empty_like(q)
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
@@ -146,5 +149,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     _reduce_kernel[(b * h, d // block_d)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d, BLOCK_D=block_d,
                              S_PAD=triton.next_power_of_2(num_splits),
-                             S_BLOCK=min(8, triton.next_power_of_2(num_splits)), GATED=gate is not None)
+                             S_BLOCK=min(8, triton.next_power_of_2(num_splits)), GATED=gate is not None,
+                             **pdl_options(q))
     return out

@@ -76,8 +76,10 @@ class ForwardBatch:
 class PreNormLayer(nn.Module):
     """A pre-norm decoder block, ``h += mixer(norm(h)); h += mlp(norm(h))``, over a residual stream
     passed along beside the branch output, so each residual add is fused with the norm after it
-    (``RMSNorm(x, residual)``). Subclasses hold ``input_layernorm``, ``post_attention_layernorm``
-    and ``mlp`` and say which token mixer runs (``mixer``)."""
+    (``RMSNorm(x, residual)``), or, where the next module has ``forward_residual`` (the mixers'
+    input projections, the MoE router), with that module's first kernel. Subclasses hold
+    ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` and say which token mixer runs
+    (``mixer``)."""
 
     def mixer(self) -> nn.Module:
         raise NotImplementedError
@@ -86,11 +88,15 @@ class PreNormLayer(nn.Module):
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``: the previous layer's output is added to the residual
         stream here; the stack adds the last one (:class:`PreNormStack`)."""
+        mixer = self.mixer()
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
+            mixed = mixer(hidden, batch)
+        elif hasattr(mixer, "forward_residual"):  # decode: add + norm inside the input projection
+            mixed, residual = mixer.forward_residual(hidden, residual, self.input_layernorm, batch)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        mixed = self.mixer()(hidden, batch)
+            mixed = mixer(hidden, batch)
         fused = getattr(self.mlp, "forward_residual", None)  # MoE: add + norm + routing in one launch
         if fused is not None:
             return fused(mixed, residual, self.post_attention_layernorm)

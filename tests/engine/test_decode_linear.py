@@ -1,4 +1,5 @@
-"""``decode_linear`` off Triton is ``F.linear``, and ``gemv_tiles`` keeps many rows on cuBLAS."""
+"""``decode_linear`` / ``norm_linear`` off Triton are ``F.linear`` (after the norm), and
+``gemv_tiles`` keeps many rows and unmeasured wide weights on cuBLAS."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.layers import fused_linear
-from ninfer.engine.layers.fused_linear import GEMV_MAX_ROWS, decode_linear, gemv_tiles, split_linear
+from ninfer.engine.layers.fused_linear import (GEMV_MAX_ROWS, GEMV_SHAPE_TILES, decode_linear, gemv_tiles,
+                                               norm_linear, split_linear)
+from ninfer.engine.layers.norm import RMSNorm
 
 
 @pytest.mark.parametrize("m", [1, 3, 9])
@@ -20,9 +23,20 @@ def test_decode_linear_is_f_linear_on_cpu(m, with_bias, monkeypatch):
     assert all(torch.equal(p, r) for p, r in zip(parts, F.linear(x, w).split([12, 8], dim=-1)))
 
 
+def test_norm_linear_is_norm_then_f_linear_on_cpu(monkeypatch):
+    monkeypatch.setattr(fused_linear, "on_triton", lambda t: t.is_cuda)
+    norm = RMSNorm(48, 1e-6, zero_centered=True)
+    torch.nn.init.normal_(norm.weight, 0.0, 0.3)
+    x, res, w = torch.randn(2, 48), torch.randn(2, 48), torch.randn(20, 48)
+    y, new_res = norm_linear(x, res, norm, w)
+    hidden, ref_res = norm(x, res)
+    assert torch.equal(new_res, ref_res) and torch.equal(y, F.linear(hidden, w))
+
+
 def test_gemv_tiles_rule():
-    assert gemv_tiles(1, 2048, 4096) is not None  # tall K: cuBLAS would split it
-    assert gemv_tiles(1, 12352, 2048) is None  # wide: cuBLAS streams it well
+    assert gemv_tiles(1, 2000, 4096) is not None  # tall K: cuBLAS would split it
+    assert gemv_tiles(1, 12000, 2048) is None  # wide and not measured: cuBLAS streams it well
+    assert gemv_tiles(1, 12352, 2048) == GEMV_SHAPE_TILES[(1, 12352, 2048)]  # measured: the GEMV won
     assert gemv_tiles(0, 2048, 4096) is None
     for m in (GEMV_MAX_ROWS + 1, 64, 4096):
         assert gemv_tiles(m, 2048, 4096) is None

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route, rel_err
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
+                                  check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -93,6 +94,13 @@ def test_gemv(m, n, k, with_bias):
         assert rel_err(gemv_triton(x, w, bias, tiles), ref) < 1e-2
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 12352, 2048), (4, 9216, 2048), (1, 16480, 5120), (3, 1000, 5000)])
+def test_norm_gemv(m, n, k):
+    torch.manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    check_norm_gemv("cuda", torch.bfloat16, m, n, k, None, 1e-2)
+    check_norm_gemv("cuda", torch.bfloat16, m, n, k, {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, 1e-2)
+
+
 def test_gdn_decode_step_fla_vs_torch():
     from ninfer.engine.layers.gdn_ops import recurrent_step_batched
     from ninfer.engine.layers.gated_delta_net import l2norm
@@ -146,8 +154,10 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
 
 
 @pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (4, 12), (4, 4)])  # 2, 3 and 1 value heads per key head
-def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads):
-    check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128)
+@pytest.mark.parametrize("block_v", [None, 128])  # the default column blocks, one program per head
+def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads, block_v):
+    check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128,
+                     block_v=block_v)
 
 
 @pytest.mark.parametrize("shared", [512, 384, 0])

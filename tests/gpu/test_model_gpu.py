@@ -103,3 +103,45 @@ def test_fused_prefill_attention_matches_torch_path(name, tmp_path_factory, monk
     ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
     check_prefill_attention(monkeypatch, load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer, "cuda",
                             page_size=16, tol=2e-2)  # the Triton kernel's dots in tf32
+
+
+class _EveryShape(dict):
+    """A tile table with an entry for every shape."""
+
+    def get(self, key, default=None):
+        return {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}
+
+
+def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
+    """Decode with every pre-norm add + RMSNorm inside the next projection's GEMV (``norm_linear``,
+    the attention / GDN input projections) gives the greedy tokens of the separate norm launch."""
+    from ninfer.engine.layers import fused_linear, gemv_triton
+
+    model = load_model(ckpt, "cuda", torch.float32)
+    tok = ckpt.tokenizer
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
+
+    def run() -> dict[int, list[int]]:
+        engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=64,
+                                                    kv_capacity=2048, page_size=16, device="cuda",
+                                                    dtype=torch.float32))
+        reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                            ignore_eos=True), max_total_tokens=160)
+                for i in range(3)}
+        for r in reqs.values():
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+        return {i: r.output_ids for i, r in reqs.items()}
+
+    unfused = run()
+    monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", _EveryShape())
+    launch, calls = gemv_triton.norm_gemv_triton, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_triton, "norm_gemv_triton", counted)
+    assert run() == unfused
+    assert calls  # the fused launch ran

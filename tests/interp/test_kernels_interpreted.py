@@ -7,7 +7,7 @@ import torch
 
 from support.decode_paths import BUILDERS, load_parts, run
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
-                                  check_prefill_attention, rel_err)
+                                  check_norm_gemv, check_prefill_attention, rel_err)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -74,13 +74,22 @@ def test_gemv(m, n, k, tiles, with_bias):
         gemv_triton(x, w[:, 1:].contiguous())
 
 
+@pytest.mark.parametrize("m, n, k, tiles", [
+    (1, 37, 100, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1}),  # ragged K over four chunks, ragged N
+    (3, 16, 128, {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 2}),  # even K, M padded to 4
+])
+def test_norm_gemv(m, n, k, tiles):
+    check_norm_gemv("cpu", torch.float32, m, n, k, tiles, 1e-5)
+
+
 @pytest.mark.parametrize("qwen", [True, False])
 def test_attention_decode(qwen, monkeypatch):
     check_attention_decode(monkeypatch, "cpu", torch.float32, qwen, 64, 4, 2, 32, 16 if qwen else 32)
 
 
-def test_gdn_decode():
-    check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16)
+@pytest.mark.parametrize("v_heads, block_v", [(4, None), (4, 4), (6, 8)])  # one or several programs per head
+def test_gdn_decode(v_heads, block_v):
+    check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, block_v=block_v)
 
 
 @pytest.mark.parametrize("shared", [32, 48, 0])

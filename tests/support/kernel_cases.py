@@ -23,6 +23,28 @@ def _randomize(module: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, std)
 
 
+def check_norm_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, tiles: dict | None,
+                    tol: float) -> None:
+    """The GEMV with the pre-norm add + RMSNorm in front against ``RMSNorm(x, residual)`` then
+    ``F.linear``, computed in fp32 on the CPU; the residual sum must come out exactly as the add
+    rounds it."""
+    from ninfer.engine.layers.gemv_triton import norm_gemv_triton
+    from ninfer.engine.layers.norm import RMSNorm
+
+    for zero_centered in (True, False):
+        norm = RMSNorm(k, 1e-6, zero_centered)
+        torch.nn.init.normal_(norm.weight, 0.0 if zero_centered else 1.0, 0.3)
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        residual = torch.randn(m, k, dtype=dtype, device=device) * 4
+        w = torch.randn(n, k, dtype=dtype, device=device) * k**-0.5
+        y, res_out = norm_gemv_triton(x, residual, norm.weight.to(device), norm.eps, zero_centered, w, tiles)
+        assert y.shape == (m, n) and y.dtype == dtype and res_out.dtype == dtype
+        assert torch.equal(res_out, x + residual)
+        total = (x + residual).cpu().float()
+        ref = torch.nn.functional.linear(norm(total), w.cpu().float())
+        assert rel_err(y.cpu(), ref) < tol, (m, n, k, tiles, zero_centered)
+
+
 def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: bool, hidden: int,
                            heads: int, kv_heads: int, head_dim: int, rotary_dim: int) -> None:
     """q/k norm + RoPE + K/V write kernel and the gated merge against the module's torch path."""
@@ -62,15 +84,18 @@ def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: b
 
 
 def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int,
-                     head_dim: int) -> None:
+                     head_dim: int, block_v: int | None = None) -> None:
     """The fused decode step (conv, recurrence and output norm, in place on the pools) against the
     layer's torch decode path run on the CPU in fp32 math (on CUDA that path hands q / k to fla in
     bf16), for two steps in a row: the second reads the conv state the first shifted, so a key
     head's q / k state shifted too early or twice (the per-(slot, key head) arrival counters)
-    shows up there."""
+    shows up there. ``block_v``: value columns per program (the module's ``BLOCK_V`` when None)."""
     import copy
 
+    from ninfer.engine.layers import gdn_decode_triton
     from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
+
+    block_v = min(block_v or gdn_decode_triton.BLOCK_V, head_dim)
 
     layer = GatedDeltaNet(0, hidden, num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head_dim,
                           head_v_dim=head_dim)
@@ -83,10 +108,6 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
     counts = torch.zeros(slots, v_heads, dtype=torch.int64, device=device)
     slot_ids = torch.tensor([7, 2, 0, 5, 3], device=device)
 
-    def meta(c, r):
-        return SimpleNamespace(gdn_ordinal={0: 0}, states=SimpleNamespace(conv=c, recurrent=r, step_counts=counts),
-                               slot_ids=slot_ids)
-
     conv_ref, rec_ref = conv.cpu().clone(), rec.cpu().clone()
     ref_meta = SimpleNamespace(gdn_ordinal={0: 0}, states=SimpleNamespace(conv=conv_ref, recurrent=rec_ref),
                                slot_ids=slot_ids.cpu())
@@ -95,7 +116,9 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
         z = torch.randn(b, layer.value_dim, device=device, dtype=dtype)
         a = torch.randn(b, v_heads, device=device, dtype=dtype)
         bb = torch.randn(b, v_heads, device=device, dtype=dtype)
-        out = layer._decode_fused(qkv, z, a, bb, meta(conv, rec))
+        out = gdn_decode_triton.gdn_decode_step_triton(
+            qkv, z, a, bb, conv[0], layer.conv1d.weight, layer.A_log, layer.dt_bias, rec[0], slot_ids, counts,
+            layer.norm.weight, layer.norm.eps, k_heads, block_v)
         beta = torch.sigmoid(bb.float()).cpu()
         g = (-torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())).cpu()
         o = ref_layer._decode(qkv.cpu(), g, beta, ref_meta)
@@ -106,7 +129,8 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
     untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
     torch.testing.assert_close(rec[0, untouched].cpu(), rec_ref[0, untouched])
     torch.testing.assert_close(conv[0, untouched].cpu(), conv_ref[0, untouched])
-    assert (counts[slot_ids, :k_heads] == 2 * (v_heads // k_heads)).all()  # each value head arrived once per step
+    # each program (value head, column block) arrived once per step
+    assert (counts[slot_ids, :k_heads] == 2 * (v_heads // k_heads) * (head_dim // block_v)).all()
 
 
 def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,

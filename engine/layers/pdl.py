@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (Hopper and newer) for the decode step's Triton kernels.
+
+A kernel launched this way may start while the kernel before it in the stream is still running.
+Each of ours first lets the next kernel start as soon as all of its own programs run
+(``gdc_launch_dependents``), may load what no kernel writes (weights), then waits until the
+kernels before it have finished and their writes are visible (``gdc_wait``) before it reads
+anything they produce or writes anything at all. A chain of such launches hides each kernel's
+start (and the latency of its first weight loads) behind the tail of the kernel before; any
+other kernel in the stream waits for everything before it, as without PDL. CUDA-graph capture
+keeps the launches' programmatic edges. ``NINFER_PDL=0`` turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_switch import INTERPRET
+
+ENABLED = os.environ.get("NINFER_PDL", "1") != "0"
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """Launch options for a kernel taking a ``PDL`` constexpr, for a launch on ``t``'s device."""
+    on = ENABLED and t.is_cuda and not INTERPRET and \
+        _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Let the next kernel start, then wait for the kernels before this one (a no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
