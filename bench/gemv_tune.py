@@ -1,6 +1,6 @@
 """The Triton GEMV (``gemv_triton``) against cuBLAS (``F.linear``) at a model's decode projections.
 
-    python -m bench.gemv_tune --shape qwen3.5-27b [--rows 1,8]
+    python -m bench.gemv_tune --shape qwen3.5-27b [--rows 1,8] [--norm]
 
 For each distinct decode projection ``[M, K] @ [N, K]^T`` of the shape (GDN fused input projection
 and out_proj, attention fused qkv and o_proj, the dense MLP's fused gate/up and down, the LM head),
@@ -9,6 +9,12 @@ reads come from HBM, not the 50 MB L2); cuBLAS and each tile choice of the GEMV 
 the graph (GPU time, no Python launch cost) and checked against cuBLAS's output. Prints one table
 per shape, then ``fused_linear.GEMV_SHAPE_TILES`` entries for the measured shapes (tiles where the
 GEMV won, None where cuBLAS did).
+
+``--norm``: the projections that follow a pre-norm (GDN input projection, attention qkv, dense
+MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in front
+(``norm_gemv_triton``) per tile choice, against the add + norm launch followed by the projection as
+``decode_linear`` runs it now; prints ``fused_linear.NORM_GEMV_SHAPE_TILES`` entries where the one
+launch won.
 """
 from __future__ import annotations
 
@@ -20,13 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.layers import gemv_triton as gt
-from ninfer.engine.layers.fused_linear import gemv_tiles
+from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
+from ninfer.engine.layers.norm_triton import add_rms_norm_triton
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
 
 # (BLOCK_K, num_warps) pairs whose warps all split K (gemv_triton caps num_warps otherwise)
 _K_WARPS = [(256, 1), (512, 1), (512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8)]
+
+
+# projections whose input is the pre-norm block's normalised residual stream
+NORMED = ("gdn in_proj (qkv|z|b|a)", "attn qkv", "mlp gate_up")
 
 
 def projections(cfg) -> list[tuple[str, int, int]]:
@@ -58,37 +69,47 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def candidates() -> list[dict]:
-    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, (k, w) in itertools.product([1, 2, 4, 8], _K_WARPS)]
+def candidates(block_ns=(1, 2, 4, 8)) -> list[dict]:
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n, (k, w) in itertools.product(block_ns, _K_WARPS)]
+
+
+def _sweep(m: int, k: int, ref: torch.Tensor, run, copies: int, options: list[dict]) -> tuple:
+    """``(best (tiles, us) or None, failures)`` of ``run(tiles, copy)`` over the tile options."""
+    best, bad, seen = None, [], set()
+    for tiles in options:
+        eff = gt.gemv_config(m, k, tiles)
+        key = (eff["BLOCK_N"], eff["BLOCK_K"], eff["num_warps"])
+        if key in seen:  # the same launch after clipping BLOCK_K to K / capping the warps
+            continue
+        seen.add(key)
+        try:
+            ok = _rel_err(run(tiles, 0), ref) < 1e-2
+            us = graph_time_us(lambda c: run(tiles, c), copies)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped, not a stop
+            bad.append(f"{tiles}: {type(exc).__name__}")
+            continue
+        if not ok:
+            bad.append(f"{tiles}: MISMATCH")
+        elif best is None or us < best[1]:
+            best = (tiles, us)
+    return best, bad
 
 
 def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
-         dt: torch.dtype = torch.bfloat16) -> list[dict]:
+         dt: torch.dtype = torch.bfloat16, norm: bool = False) -> list[dict]:
     nbytes = n * k * torch.finfo(dt).bits // 8
     copies = max(1, math.ceil(graph_mb * 1e6 / nbytes))
     weights = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(copies)]
     results = []
     for m in rows:
         x = torch.randn(m, k, dtype=dt, device=dev)
+        if norm:
+            results.append(_tune_norm(x, weights))
+            continue
         ref = F.linear(x, weights[0])
         cublas = graph_time_us(lambda c: F.linear(x, weights[c]), copies)
-        best, bad, seen = None, [], set()
-        for tiles in candidates():
-            eff = gt.gemv_config(m, k, tiles)
-            key = (eff["BLOCK_N"], eff["BLOCK_K"], eff["num_warps"])
-            if key in seen:  # the same launch after clipping BLOCK_K to K / capping the warps
-                continue
-            seen.add(key)
-            try:
-                ok = _rel_err(gt.gemv_triton(x, weights[0], None, tiles), ref) < 1e-2
-                us = graph_time_us(lambda c: gt.gemv_triton(x, weights[c], None, tiles), copies)
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped, not a stop
-                bad.append(f"{tiles}: {type(exc).__name__}")
-                continue
-            if not ok:
-                bad.append(f"{tiles}: MISMATCH")
-            elif best is None or us < best[1]:
-                best = (tiles, us)
+        best, bad = _sweep(m, k, ref, lambda tiles, c: gt.gemv_triton(x, weights[c], None, tiles), copies,
+                           candidates())
         rule = gemv_tiles(m, n, k)
         rule_us = graph_time_us(lambda c: gt.gemv_triton(x, weights[c], None, rule), copies) if rule else None
         results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
@@ -98,11 +119,32 @@ def tune(n: int, k: int, rows: list[int], graph_mb: float, dev: str = "cuda",
     return results
 
 
+def _tune_norm(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    """``norm_gemv_triton`` per tile choice against add + RMSNorm then ``decode_linear``."""
+    m, k = x.shape
+    n, copies = weights[0].shape[0], len(weights)
+    residual = torch.randn_like(x) * 4
+    nw = torch.randn(k, dtype=x.dtype, device=x.device) * 0.3
+
+    def unfused(c: int) -> torch.Tensor:
+        hidden, _ = add_rms_norm_triton(x, residual, nw, 1e-6, True)
+        return decode_linear(hidden, weights[c])
+
+    ref = unfused(0)
+    now = graph_time_us(unfused, copies)
+    best, bad = _sweep(m, k, ref, lambda tiles, c: gt.norm_gemv_triton(x, residual, nw, 1e-6, True, weights[c],
+                                                                       tiles)[0],
+                       copies, candidates((2, 4, 8, 16)))  # the input rows are re-read per program: taller tiles
+    return {"m": m, "n": n, "k": k, "mb": n * k * x.element_size() / 1e6, "cublas_us": now, "best": best,
+            "rule": None, "rule_us": None, "bad": bad}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gemv_tune")
     p.add_argument("--shape", default="qwen3.5-27b")
     p.add_argument("--rows", default="1,8", help="input rows M (decode batch sizes)")
     p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
+    p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -110,14 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{args.shape} on {torch.cuda.get_device_name()}: bf16, GPU time per call inside CUDA graphs; "
           "TB/s = weight bytes / time; tiles = BLOCK_N x BLOCK_K / num_warps; "
-          "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)")
+          "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)"
+          + ("; --norm: the 'cuBLAS' columns are add + RMSNorm then the projection as decode_linear runs it"
+             if args.norm else ""))
     lines = ["| projection | N | K | M | MB | cuBLAS us | cuBLAS TB/s | best Triton tiles | us | TB/s | speedup "
              "| rule us |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     table = {}
     for name, n, k in projections(cfg):
-        for r in tune(n, k, rows, args.graph_mb):
+        if args.norm and not any(part in NORMED for part in name.split(" = ")):
+            continue
+        for r in tune(n, k, rows, args.graph_mb, norm=args.norm):
             mb, cu = r["mb"], r["cublas_us"]
-            rule = "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"
+            rule = "-" if args.norm else "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"
             for b in r["bad"]:
                 print(f"  {name} M={r['m']}: {b}")
             if r["best"] is None:
@@ -132,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             table[(r["m"], n, k)] = tiles if us < cu else None
             print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
-    print("\n# fused_linear.GEMV_SHAPE_TILES entries (tiles BLOCK_N x BLOCK_K / warps above):")
+    print(f"\n# fused_linear.{'NORM_' if args.norm else ''}GEMV_SHAPE_TILES entries (tiles BLOCK_N x BLOCK_K / "
+          "warps above):")
     for key, tiles in table.items():
-        print(f"    {key}: {tiles},")
+        if tiles is not None or not args.norm:
+            print(f"    {key}: {tiles},")
     return 0
 
 

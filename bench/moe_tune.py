@@ -1,6 +1,6 @@
 """Tile sizes of the MoE decode GEMVs, timed at a model's shape.
 
-    python -m bench.moe_tune --shape qwen3.5-35b-a3b [--tokens 1,8]
+    python -m bench.moe_tune --shape qwen3.5-35b-a3b [--tokens 1,8] [--kernels gate_up,down]
 
 Random bf16 experts at the shape's size (all of them) and ``--routes`` random routings, so the
 timed calls read expert weights from HBM rather than L2, as in a real step; each tile choice of
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen3.5-35b-a3b")
     p.add_argument("--tokens", default="1,8")
     p.add_argument("--routes", type=int, default=16, help="routings per timed graph (experts beyond L2)")
+    p.add_argument("--kernels", default="gate_up,down", help="which GEMVs to sweep")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -60,23 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     shared_gu = torch.randn(2 * inter, hid, dtype=dt, device=dev) * 0.02
     shared_d = torch.randn(hid, inter, dtype=dt, device=dev) * 0.02
     print(f"{args.shape}: {e} experts, hidden {hid}, moe intermediate {inter}, top-{k} + shared")
-    routes = args.routes
+    routes, kernels = args.routes, set(args.kernels.split(","))
+    if not kernels <= {"gate_up", "down"}:
+        p.error(f"--kernels: unknown {sorted(kernels - {'gate_up', 'down'})}")
     for n in (int(t) for t in args.tokens.split(",")):
         routed = [mt.route_triton(torch.randn(n, e + 1, device=dev), k, e, True, True) for _ in range(routes)]
         x = torch.randn(n, hid, dtype=dt, device=dev)
         h = torch.randn(n * (k + 1), inter, dtype=dt, device=dev)
         distinct = sum(ids.unique().numel() for ids, _ in routed) / routes
-        for line in sweep(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
-                          lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
-                          mt.GATE_UP_TILES, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
-                          distinct * 2 * inter * hid * 2, routes):
-            print(line)
-        for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
-                          lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.DOWN_TILES,
-                          candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8], ALL_SLOTS=False)
-                          + candidates([1, 2, 4, 8], [64, 128, 256], [2, 4, 8], ALL_SLOTS=True),
-                          distinct * hid * inter * 2, routes):
-            print(line)
+        if "gate_up" in kernels:
+            for line in sweep(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
+                              lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
+                              mt.GATE_UP_TILES, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
+                              distinct * 2 * inter * hid * 2, routes):
+                print(line, flush=True)
+        if "down" in kernels:
+            for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
+                              lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.down_tiles(n),
+                              candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8], ALL_SLOTS=False)
+                              + candidates([1, 2, 4, 8], [128, 256, 512], [1, 2, 4, 8], ALL_SLOTS=True),
+                              distinct * hid * inter * 2, routes):
+                print(line, flush=True)
     return 0
 
 
