@@ -261,7 +261,10 @@ def _empty_cache() -> None:
 
 def table(results: dict, ceilings: dict) -> str:
     bw = ceilings["copy_gb_s"] * 1e9
-    rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
+    from ninfer.engine.layers import pdl
+
+    rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} "
+            f"TFLOP/s; programmatic dependent launch {'on' if pdl.ENABLED else 'off'} (NINFER_PDL)",
             "| shape | work | ninfer | HF transformers (forward loop; generate) | ninfer / HF (loop; generate) "
             "| bytes/step | floor ms | % of floor |",
             "|---|---|---|---|---|---|---|---|"]
@@ -315,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             hf_prefills = prefills if args.hf_prefill is None else [int(x) for x in args.hf_prefill.split(",") if x]
             results[name]["hf"] = bench_hf(name, hf_batches, args.context, hf_prefills, min(args.steps, 8))
         print(table({name: results[name]}, ceilings), flush=True)
+    from ninfer.engine.layers import pdl
+
     report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "torch": torch.__version__,
-              "ceilings": ceilings, "args": vars(args), "results": results}
+              "pdl": pdl.ENABLED, "ceilings": ceilings, "args": vars(args), "results": results}
     print("\n" + table(results, ceilings))
     if args.json:
         with open(args.json, "w") as f:

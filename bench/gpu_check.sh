@@ -4,8 +4,9 @@
 # PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune) or "gemv"
 # (bench.gemv_tune at two shapes; a few minutes, not yet timed), so a machine that limits one
 # command's time can take the run in several calls; "all" runs neither tuning part.
-# Needs a CUDA build of torch with Triton, fla-core and the test extras; about 9.5 minutes on an
-# H200 with a cold Triton cache (the tests compile most kernels, the benchmarks reuse them).
+# Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
+# Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
+# three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
@@ -22,7 +23,9 @@ run() {  # run NAME COMMAND...: log to $out/NAME.txt, keep going, remember a fai
     tail -n 12 "$out/$name.txt"
 }
 if [ "$parts" = all ] || [ "$parts" = tests ]; then
-    run gpu-tests "$py" -m pytest -q tests/gpu -p no:cacheprovider
+    # the server end to end first: it is the one a cut-short run would otherwise lose
+    run gpu-server "$py" -m pytest -q tests/gpu/test_server_gpu.py -p no:cacheprovider
+    run gpu-tests "$py" -m pytest -q tests/gpu -p no:cacheprovider --ignore tests/gpu/test_server_gpu.py
 fi
 if [ "$parts" = all ] || [ "$parts" = bench ]; then
     run qwen3.5-27b "$py" -m bench.decode --shape qwen3.5-27b --batches 1,8 --prefill 16384 --steps 16 \

@@ -47,8 +47,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, NORM: tl.constexpr,
                  ZERO_CENTERED: tl.constexpr, PDL: tl.constexpr):
     """``NORM``: the input rows are ``x + res`` (``res`` rows ``K`` apart, the sum written to
-    ``res_out`` by program 0) under RMSNorm with weight ``nw``. ``PDL``: the first weight chunk is
-    loaded before waiting for the kernel before (``pdl.pdl_wait``)."""
+    ``res_out`` by program 0) under RMSNorm with weight ``nw``. ``PDL``: see ``pdl.py``."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -65,20 +64,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N,
     # only once after the loop
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // VEC], tl.float32)
     sq = tl.zeros([M_PAD, 1], tl.float32)  # NORM: the input rows' sums of squares
-    # the first chunk of this program's weight rows: nothing writes weights, so it may be read
-    # before the wait, while the kernel before finishes
-    w_first = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
     pdl_wait(PDL)
     for k0 in tl.range(0, K, BLOCK_K):
         kmask = (k0 + k < K)[None, None, :]
-        later = (k0 + k >= BLOCK_K)[None, None, :]  # past the first chunk
         if EVEN_K:
-            w = tl.load(w_ptrs + k0, mask=later, other=0.0)
+            w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0)
         else:
-            w = tl.load(w_ptrs + k0, mask=kmask & later, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=kmask, other=0.0)
             x = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
-        w = tl.where(later, w, w_first)
         x = x.to(tl.float32)
         if NORM:
             in_rows = m[:, None, None] * K + k0 + k[None, None, :]  # [M_PAD, 1, BLOCK_K] in x + res

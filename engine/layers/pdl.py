@@ -7,7 +7,12 @@ kernels before it have finished and their writes are visible (``gdc_wait``) befo
 anything they produce or writes anything at all. A chain of such launches hides each kernel's
 start (and the latency of its first weight loads) behind the tail of the kernel before; any
 other kernel in the stream waits for everything before it, as without PDL. CUDA-graph capture
-keeps the launches' programmatic edges. ``NINFER_PDL=0`` turns it off.
+keeps the launches' programmatic edges.
+
+Off unless ``NINFER_PDL=1``: its first form (every kernel releasing the next one at its start, the
+GEMV reading its first weight chunk before the wait) made the 35B-A3B batch-1 step slower on an
+H200 (2.71 ms against 2.58 without it, bench/RESULTS.md 2026-12-01); the switch is there so the
+next measurement is one environment variable away.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import triton.language as tl
 
 from .triton_switch import INTERPRET
 
-ENABLED = os.environ.get("NINFER_PDL", "1") != "0"
+ENABLED = os.environ.get("NINFER_PDL") == "1"
 
 
 @functools.cache

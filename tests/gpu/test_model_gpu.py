@@ -112,29 +112,28 @@ class _EveryShape(dict):
         return {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}
 
 
+def _greedy(model, tok, requests: int = 3) -> dict[int, list[int]]:
+    """Greedy tokens of a few prompts decoded together (CUDA graphs)."""
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
+    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=64,
+                                                kv_capacity=2048, page_size=16, device="cuda", dtype=torch.float32))
+    reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                        ignore_eos=True), max_total_tokens=160)
+            for i in range(requests)}
+    for r in reqs.values():
+        engine.add_request(r)
+    while engine.has_work:
+        engine.step()
+    return {i: r.output_ids for i, r in reqs.items()}
+
+
 def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
     """Decode with every pre-norm add + RMSNorm inside the next projection's GEMV (``norm_linear``,
     the attention / GDN input projections) gives the greedy tokens of the separate norm launch."""
     from ninfer.engine.layers import fused_linear, gemv_triton
 
     model = load_model(ckpt, "cuda", torch.float32)
-    tok = ckpt.tokenizer
-    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
-
-    def run() -> dict[int, list[int]]:
-        engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=64,
-                                                    kv_capacity=2048, page_size=16, device="cuda",
-                                                    dtype=torch.float32))
-        reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
-                                                                            ignore_eos=True), max_total_tokens=160)
-                for i in range(3)}
-        for r in reqs.values():
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-        return {i: r.output_ids for i, r in reqs.items()}
-
-    unfused = run()
+    unfused = _greedy(model, ckpt.tokenizer)
     monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", _EveryShape())
     launch, calls = gemv_triton.norm_gemv_triton, []
 
@@ -143,5 +142,20 @@ def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(gemv_triton, "norm_gemv_triton", counted)
-    assert run() == unfused
+    assert _greedy(model, ckpt.tokenizer) == unfused
     assert calls  # the fused launch ran
+
+
+def test_programmatic_dependent_launch_decodes_as_without(ckpt, monkeypatch):
+    """The decode kernels launched with programmatic dependent launch (``NINFER_PDL=1``), each
+    waiting for the one before, give the greedy tokens of plain launches."""
+    from ninfer.engine.layers import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    model = load_model(ckpt, "cuda", torch.float32)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    plain = _greedy(model, ckpt.tokenizer)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"]
+    assert _greedy(model, ckpt.tokenizer) == plain
