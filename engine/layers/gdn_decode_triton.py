@@ -142,8 +142,7 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
     (views of one projection's output are fine); ``conv_pool`` ``[slots, W-1, C]`` and ``state_pool``
     ``[slots, HV, K, V]`` fp32 updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``, whose
     launches must all use the same ``block_v`` (value columns per program, ``BLOCK_V`` when None,
-    at most V). Returns the normed,
-    gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
+    at most V). Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
     bsz, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]

@@ -151,4 +151,6 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     res_out = torch.empty_like(residual)
     if x.numel() and weight.shape[0]:
         _launch(x, weight, None, y, tiles, residual, norm_weight, res_out, eps, zero_centered)
+    elif x.numel():  # no output features: the residual sum is still the caller's next residual
+        torch.add(x, residual, out=res_out)
     return y, res_out
