@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the GPU tests, then the benchmarks the GPU targets are read from.
 #   bash bench/gpu_check.sh [OUT_DIR] [PARTS]   (default bench/out; logs, tables and JSON land there)
-# PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune and
-# bench.gdn_tune), "gemv" (bench.gemv_tune at two shapes, plain and with the norm in front) or
-# "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off, then on), so a machine
-# that limits one command's time can take the run in several calls; "all" runs neither tuning
-# part nor "pdl".
+# PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune,
+# bench.gdn_tune, bench.attention_tune), "gemv" (bench.gemv_tune at two shapes, plain and with
+# the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
+# then on), so a machine that limits one command's time can take the run in several calls; "all"
+# runs neither tuning part nor "pdl".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -43,6 +43,7 @@ if [ "$parts" = tune ]; then
     run moe-tune "$py" -m bench.moe_tune --shape qwen3.5-35b-a3b --tokens 1,8
     run gdn-tune "$py" -m bench.gdn_tune --shape qwen3.5-35b-a3b --batches 1,8
     run gdn-tune-27b "$py" -m bench.gdn_tune --shape qwen3.5-27b --batches 1
+    run attention-tune "$py" -m bench.attention_tune --shape qwen3.5-35b-a3b --batches 1,8
 fi
 if [ "$parts" = gemv ]; then
     run gemv-tune "$py" -m bench.gemv_tune --shape qwen3.5-27b --rows 1,8

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_options, pdl_wait
+
 PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
 MAX_SPLITS = 64
 # Head-dim columns per merge program: a lone sequence has only ``H`` heads to merge, each over up
@@ -24,7 +25,8 @@ REDUCE_BLOCK_D = 64
 _SM_COUNT: dict[int, int] = {}
 
 
-def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
+def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device,
+                   programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
     """Splits per sequence: enough programs to fill the card, never more splits than blocks."""
     if device.type != "cuda":  # Triton's interpreter (kernel tests on the CPU)
         index = -1
@@ -33,8 +35,8 @@ def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, dev
         index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[index], batch * kv_heads)
-    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_tokens, block_n)))
+    wanted = triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * _SM_COUNT[index], batch * kv_heads)
+    return max(1, min(wanted, max_splits or MAX_SPLITS, triton.cdiv(max_tokens, block_n)))
 
 
 @triton.jit
@@ -121,8 +123,13 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_
 
 def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``."""
+                                  scale: float, gate: torch.Tensor | None = None,
+                                  tiles: dict | None = None) -> torch.Tensor:
+    """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``tiles``
+    overrides the launch choices (``bench.attention_tune``): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``,
+    ``BLOCK_N`` (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and
+    ``REDUCE_BLOCK_D``."""
+    t = tiles or {}
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
@@ -131,8 +138,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     block_tables = block_tables.contiguous()
     group = h // hkv
     g_pad = max(16, triton.next_power_of_2(group))
-    block_n = 32 if d >= 256 else 64
-    num_splits = num_splits_for(b, hkv, block_tables.shape[1] * p, block_n, q.device)
+    block_n = t.get("BLOCK_N", 32 if d >= 256 else 64)
+    num_splits = num_splits_for(b, hkv, block_tables.shape[1] * p, block_n, q.device, t.get("PROGRAMS_PER_SM"),
+                                t.get("MAX_SPLITS"))
     m = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
@@ -140,12 +148,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
         q, k_pages, v_pages, block_tables, context_lens, m, l, acc, scale,
         block_tables.stride(0), num_splits,
         H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n,
-        num_warps=4, num_stages=2, **pdl_options(q),
+        num_warps=t.get("num_warps", 4), num_stages=t.get("num_stages", 2), **pdl_options(q),
     )
     out = torch.empty_like(q)
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for q {tuple(q.shape)}")
-    block_d = min(d, REDUCE_BLOCK_D)
+    block_d = min(d, t.get("REDUCE_BLOCK_D", REDUCE_BLOCK_D))
     _reduce_kernel[(b * h, d // block_d)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d, BLOCK_D=block_d,
                              S_PAD=triton.next_power_of_2(num_splits),

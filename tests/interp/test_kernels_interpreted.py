@@ -32,6 +32,23 @@ def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatc
     assert rel_err(out, ref) < 1e-5
 
 
+def test_paged_decode_attention_launch_choices():
+    """The tuning overrides (more split programs, a split cap that does not divide the context,
+    smaller steps and merge slices) give the reference's output."""
+    from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
+    from ninfer.engine.layers.paged_attention_triton import paged_decode_attention_triton
+
+    k = torch.randn(30, 8, 2, 32)
+    v = torch.randn_like(k)
+    lens = torch.tensor([5, 150], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(30)[:20] for _ in range(2)]).int()
+    q = torch.randn(2, 4, 32)
+    tiles = {"PROGRAMS_PER_SM": 8, "MAX_SPLITS": 5, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
+             "REDUCE_BLOCK_D": 8}
+    out = paged_decode_attention_triton(q, k, v, tables, lens, 32**-0.5, None, tiles)
+    assert rel_err(out, paged_decode_attention_ref(q, k, v, tables, lens, 32**-0.5)) < 1e-5
+
+
 def test_norm_kernels():
     from ninfer.engine.layers.gated_delta_net import GatedRMSNorm
     from ninfer.engine.layers.mlp_triton import silu_mul_triton
