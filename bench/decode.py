@@ -264,7 +264,7 @@ def table(results: dict, ceilings: dict) -> str:
     from ninfer.engine.layers import pdl
 
     rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} "
-            f"TFLOP/s; programmatic dependent launch {'on' if pdl.ENABLED else 'off'} (NINFER_PDL)",
+            f"TFLOP/s; programmatic dependent launch {['off', 'on', 'on, late release'][pdl.MODE]} (NINFER_PDL)",
             "| shape | work | ninfer | HF transformers (forward loop; generate) | ninfer / HF (loop; generate) "
             "| bytes/step | floor ms | % of floor |",
             "|---|---|---|---|---|---|---|---|"]
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     from ninfer.engine.layers import pdl
 
     report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "torch": torch.__version__,
-              "pdl": pdl.ENABLED, "ceilings": ceilings, "args": vars(args), "results": results}
+              "pdl": pdl.MODE, "ceilings": ceilings, "args": vars(args), "results": results}
     print("\n" + table(results, ceilings))
     if args.json:
         with open(args.json, "w") as f:

@@ -4,8 +4,8 @@
 # PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune,
 # bench.gdn_tune, bench.attention_tune), "gemv" (bench.gemv_tune at two shapes, plain and with
 # the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
-# then on), so a machine that limits one command's time can take the run in several calls; "all"
-# runs neither tuning part nor "pdl".
+# then in its two forms), so a machine that limits one command's time can take the run in
+# several calls; "all" runs neither tuning part nor "pdl".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -52,10 +52,10 @@ if [ "$parts" = gemv ]; then
     run gemv-norm-35b "$py" -m bench.gemv_tune --shape qwen3.5-35b-a3b --rows 1 --norm
 fi
 if [ "$parts" = pdl ]; then
-    for on in 0 1; do
-        export NINFER_PDL=$on
-        run "pdl-$on" "$py" -m bench.decode --shape qwen3.5-35b-a3b --batches 1 --prefill 512 --steps 16 --no-hf \
-            --json "$out/qwen3.5-35b-a3b-pdl-$on.json"
+    for mode in 0 1 late; do
+        export NINFER_PDL=$mode
+        run "pdl-$mode" "$py" -m bench.decode --shape qwen3.5-35b-a3b --batches 1 --prefill 512 --steps 16 --no-hf \
+            --json "$out/qwen3.5-35b-a3b-pdl-$mode.json"
     done
     unset NINFER_PDL
 fi

@@ -9,10 +9,13 @@ start (and the latency of its first weight loads) behind the tail of the kernel 
 other kernel in the stream waits for everything before it, as without PDL. CUDA-graph capture
 keeps the launches' programmatic edges.
 
-Off unless ``NINFER_PDL=1``: its first form (every kernel releasing the next one at its start, the
-GEMV reading its first weight chunk before the wait) made the 35B-A3B batch-1 step slower on an
-H200 (2.71 ms against 2.58 without it, bench/RESULTS.md 2026-12-01); the switch is there so the
-next measurement is one environment variable away.
+Two forms: ``NINFER_PDL=1`` releases the next kernel at the start of each program, before the
+wait (the next kernel's programs may then be resident and waiting while this one runs);
+``NINFER_PDL=late`` releases it right after the wait. Off unless one of them is set: the first
+form, with the GEMV also reading its first weight chunk before the wait, made the 35B-A3B
+batch-1 step slower on an H200 (2.71 ms against 2.58 without it, bench/RESULTS.md 2026-12-01);
+the switch is there so the next measurement is one environment variable away
+(``bash bench/gpu_check.sh OUT pdl`` times all three).
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ import triton.language as tl
 
 from .triton_switch import INTERPRET
 
-ENABLED = os.environ.get("NINFER_PDL") == "1"
+_MODES = {"1": 1, "late": 2}
+MODE = _MODES.get(os.environ.get("NINFER_PDL", ""), 0)  # 0 off, 1 release first, 2 release after the wait
+ENABLED = MODE != 0
 
 
 @functools.cache
@@ -37,12 +42,16 @@ def pdl_options(t: torch.Tensor) -> dict:
     """Launch options for a kernel taking a ``PDL`` constexpr, for a launch on ``t``'s device."""
     on = ENABLED and t.is_cuda and not INTERPRET and \
         _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": MODE, "launch_pdl": True} if on else {"PDL": 0}
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    """Let the next kernel start, then wait for the kernels before this one (a no-op without PDL)."""
-    if PDL:
+    """Wait for the kernels before this one and let the next one start, in the order of the mode
+    (``MODE``); a no-op without PDL."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    elif PDL == 2:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -146,9 +146,10 @@ def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
     assert calls  # the fused launch ran
 
 
-def test_programmatic_dependent_launch_decodes_as_without(ckpt, monkeypatch):
-    """The decode kernels launched with programmatic dependent launch (``NINFER_PDL=1``), each
-    waiting for the one before, give the greedy tokens of plain launches."""
+@pytest.mark.parametrize("mode", [1, 2])  # NINFER_PDL=1 (release first) and =late (release after the wait)
+def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, monkeypatch):
+    """The decode kernels launched with programmatic dependent launch, each waiting for the one
+    before, give the greedy tokens of plain launches."""
     from ninfer.engine.layers import pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -157,5 +158,6 @@ def test_programmatic_dependent_launch_decodes_as_without(ckpt, monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     plain = _greedy(model, ckpt.tokenizer)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"]
+    monkeypatch.setattr(pdl, "MODE", mode)
+    assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == mode
     assert _greedy(model, ckpt.tokenizer) == plain
