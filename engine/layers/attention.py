@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.paged import PagedSequenceCache
-from .fused_linear import decode_linear, fuse_linears, norm_linear, split_linear
+from .fused_linear import NormFusedInput, decode_linear, fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .rotary import RotaryEmbedding
@@ -73,7 +73,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return out[0].transpose(0, 1)
 
 
-class Attention(nn.Module):
+class Attention(NormFusedInput, nn.Module):
     def __init__(
         self,
         layer_idx: int,
@@ -113,26 +113,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
-                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``.
-        In a decode step with fused projections the add + norm ride in the q/k/v projection
-        (``fused_linear.norm_linear``: one launch on Triton for few rows)."""
-        if batch.decode is None or self._fused is None:
-            hidden, residual = norm(x, residual)
-            return self(hidden, batch), residual
-        qkv, residual = norm_linear(x, residual, norm, self._fused)
-        return self._attend(*qkv.split(self._sizes, dim=-1), batch), residual
-
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; appends K/V to each cache."""
         if self._fused is not None:
             q, k, v = split_linear(hidden, self._fused, self._sizes)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        return self._attend(q, k, v, batch)
+        return self._from_projections(q, k, v, batch)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """From the projections ``[N, *]`` to the output projection's result ``[N, hidden]``."""
         n = q.shape[0]
         if batch.decode is not None and on_triton(q):

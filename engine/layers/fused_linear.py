@@ -107,6 +107,21 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
     return decode_linear(hidden, weight), residual
 
 
+class NormFusedInput:
+    """For a token mixer with a fused input projection (``_fused``, its parts ``_sizes``) and
+    ``_from_projections(*parts, batch)``: ``forward_residual(x, residual, norm, batch)`` is
+    ``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``; in a
+    decode step the add + norm ride in the input projection (``norm_linear``)."""
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                         batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.decode is None or self._fused is None:
+            hidden, residual = norm(x, residual)
+            return self(hidden, batch), residual
+        proj, residual = norm_linear(x, residual, norm, self._fused)
+        return self._from_projections(*proj.split(self._sizes, dim=-1), batch), residual
+
+
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
     """The concatenated ``[sum(out), in]`` weight, or None when a module has a bias."""
     if any(lin.bias is not None for lin in linears):

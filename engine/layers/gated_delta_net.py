@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_linear
-from .fused_linear import decode_linear, fuse_linears, norm_linear, split_linear
+from .fused_linear import NormFusedInput, decode_linear, fuse_linears, split_linear
 from .triton_switch import on_triton
 from .gdn_ops import (
     causal_conv1d,
@@ -61,7 +61,7 @@ class GatedRMSNorm(nn.Module):
         return (x32 * self.weight.float() * F.silu(z.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(NormFusedInput, nn.Module):
     """Qwen3.5 layout: separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
 
     def __init__(
@@ -86,6 +86,8 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = num_k_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        # the fused input projection's parts: qkv, z, b, a
+        self._sizes = [self.conv_dim, self.value_dim, num_v_heads, num_v_heads]
         self._make_projections(hidden_size)
         self._fused: torch.Tensor | None = None  # concatenated input projections (fuse_projections)
         self.conv1d = _DepthwiseConv(self.conv_dim, conv_kernel)
@@ -104,8 +106,7 @@ class GatedDeltaNet(nn.Module):
         """``[N, hidden]`` -> qkv ``[N, conv_dim]`` (flat [Q | K | V]), z ``[N, value_dim]``,
         b and a ``[N, Hv]``."""
         if self._fused is not None:
-            return split_linear(hidden, self._fused, [self.conv_dim, self.value_dim, self.num_v_heads,
-                                                      self.num_v_heads])
+            return split_linear(hidden, self._fused, self._sizes)
         return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
 
     def fuse_projections(self) -> bool:
@@ -124,23 +125,11 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(hidden)
         return (qkv,), z, b, a
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
-                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``.
-        In a decode step with fused projections the add + norm ride in the input projection
-        (``fused_linear.norm_linear``: one launch on Triton for few rows)."""
-        if batch.decode is None or self._fused is None:
-            hidden, residual = norm(x, residual)
-            return self(hidden, batch), residual
-        proj, residual = norm_linear(x, residual, norm, self._fused)
-        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        return self._decode_step(*proj.split(sizes, dim=-1), batch), residual
-
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
         n = hidden.shape[0]
         if batch.decode is not None:
-            return self._decode_step(*self.project(hidden), batch)
+            return self._from_projections(*self.project(hidden), batch)
         groups, z, b, a = self.project_parts(hidden)
         g, beta = self._gates(a, b)
         parts = [self._mix_sequence(tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache).to(hidden.dtype)
@@ -150,9 +139,9 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(n, self.value_dim))
 
-    def _decode_step(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                     batch: ForwardBatch) -> torch.Tensor:
-        """A decode step from the input projections: one token per sequence -> ``[N, hidden]``."""
+    def _from_projections(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                          batch: ForwardBatch) -> torch.Tensor:
+        """A decode step (one token per sequence) from the input projections -> ``[N, hidden]``."""
         if on_triton(qkv):
             return decode_linear(self._decode_fused(qkv, z, a, b, batch.decode), self.out_proj.weight)
         g, beta = self._gates(a, b)

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .pdl import pdl_options, pdl_wait
 
+
 @triton.jit
 def inv_rms(x, D, eps, AXIS: tl.constexpr):
     """``rsqrt(mean(x^2) + eps)`` of fp32 rows ``D`` long along ``AXIS`` (zeros past ``D``)."""

@@ -30,7 +30,6 @@ from .triton_switch import INTERPRET
 
 _MODES = {"1": 1, "late": 2}
 MODE = _MODES.get(os.environ.get("NINFER_PDL", ""), 0)  # 0 off, 1 release first, 2 release after the wait
-ENABLED = MODE != 0
 
 
 @functools.cache
@@ -40,7 +39,7 @@ def _hopper(index: int) -> bool:
 
 def pdl_options(t: torch.Tensor) -> dict:
     """Launch options for a kernel taking a ``PDL`` constexpr, for a launch on ``t``'s device."""
-    on = ENABLED and t.is_cuda and not INTERPRET and \
+    on = MODE != 0 and t.is_cuda and not INTERPRET and \
         _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": MODE, "launch_pdl": True} if on else {"PDL": 0}
 
