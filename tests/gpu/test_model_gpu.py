@@ -47,6 +47,24 @@ def test_gpu_logits_match_cpu_reference(ckpt):
     assert (gpu32.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
 
 
+def _greedy(model, tok, which: tuple[int, ...] = (0, 1, 2)) -> dict[int, list[int]]:
+    """Greedy tokens of prompts ``which`` (of eight of different lengths) decoded together in
+    CUDA graphs."""
+    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
+    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=8, prefill_chunk=64,
+                                                kv_capacity=2048, page_size=16, device="cuda", dtype=torch.float32))
+    assert engine.runner.graphs is not None
+    reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                        ignore_eos=True), max_total_tokens=160)
+            for i in which}
+    for r in reqs.values():
+        engine.add_request(r)
+    while engine.has_work:
+        engine.step()
+    assert engine.caches.idle()
+    return {i: r.output_ids for i, r in reqs.items()}
+
+
 def test_greedy_batch_invariance_with_cuda_graphs(ckpt, monkeypatch):
     """Eight requests decoded together in CUDA graphs give each one's tokens alone. For the MoE
     model the grouped-GEMV limit is lowered so batches of 3+ tokens take the sorted grouped GEMM,
@@ -55,28 +73,10 @@ def test_greedy_batch_invariance_with_cuda_graphs(ckpt, monkeypatch):
 
     monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 4)
     model = load_model(ckpt, "cuda", torch.float32)
-    tok = ckpt.tokenizer
-    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
-    prompts = [ids[i : i + 6 + 9 * i] for i in range(8)]
-
-    def run(which: list[int]) -> dict[int, list[int]]:
-        engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=8, prefill_chunk=64,
-                                                    kv_capacity=2048, page_size=16, device="cuda",
-                                                    dtype=torch.float32))
-        assert engine.runner.graphs is not None
-        reqs = {i: Request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                           max_total_tokens=160) for i in which}
-        for r in reqs.values():
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-        assert engine.caches.idle()
-        return {i: r.output_ids for i, r in reqs.items()}
-
-    together = run(list(range(8)))
+    together = _greedy(model, ckpt.tokenizer, tuple(range(8)))
     alone = {}
     for i in range(8):
-        alone.update(run([i]))
+        alone.update(_greedy(model, ckpt.tokenizer, (i,)))
     assert together == alone
 
 
@@ -112,21 +112,6 @@ class _EveryShape(dict):
         return {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}
 
 
-def _greedy(model, tok, requests: int = 3) -> dict[int, list[int]]:
-    """Greedy tokens of a few prompts decoded together (CUDA graphs)."""
-    ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
-    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=64,
-                                                kv_capacity=2048, page_size=16, device="cuda", dtype=torch.float32))
-    reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
-                                                                        ignore_eos=True), max_total_tokens=160)
-            for i in range(requests)}
-    for r in reqs.values():
-        engine.add_request(r)
-    while engine.has_work:
-        engine.step()
-    return {i: r.output_ids for i, r in reqs.items()}
-
-
 def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
     """Decode with every pre-norm add + RMSNorm inside the next projection's GEMV (``norm_linear``,
     the attention / GDN input projections) gives the greedy tokens of the separate norm launch."""
@@ -155,9 +140,8 @@ def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, monkeypatc
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or newer")
     model = load_model(ckpt, "cuda", torch.float32)
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "MODE", 0)
     plain = _greedy(model, ckpt.tokenizer)
-    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "MODE", mode)
     assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == mode
     assert _greedy(model, ckpt.tokenizer) == plain
