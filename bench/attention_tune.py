@@ -8,7 +8,7 @@ long, one pool per timed call (so K/V come from HBM, as each layer's do in a ste
 splits, tokens per step, warps and stages of the split phase, head-dim columns per merge program)
 is checked against the current default's output and timed in a CUDA graph (GPU time, no Python
 launch cost). Prints one table per batch size, fastest first: microseconds per call and the K/V
-bandwidth.
+bandwidth (``{}`` is the default).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from ninfer.engine.layers.paged_attention_triton import paged_decode_attention_triton
 
-from .gpu_env import graph_time_us
+from .gpu_env import sweep_tiles
 from .shapes import shape_config
 
 PAGE = 16
@@ -63,20 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             k, v = pools[pool]
             return paged_decode_attention_triton(q, k, v, tables, lens, d**-0.5, gate, tiles)
 
-        ref = attend(None, 0)
-        rows = [(graph_time_us(lambda i: attend(None, i), args.pools), "(default)", True)]
-        for tiles in candidates(d):
-            try:
-                ok = torch.allclose(attend(tiles, 0).float(), ref.float(), rtol=2e-2, atol=2e-2)
-                us = graph_time_us(lambda i: attend(tiles, i), args.pools)
-            except Exception as exc:  # noqa: BLE001 - a choice that does not compile is a row, not a stop
-                print(f"  {tiles}: {type(exc).__name__}")
-                continue
-            rows.append((us, str(tiles), ok))
-        rows.sort(key=lambda r: r[0])
-        print(f"\nbatch {b}\n| tiles | us per call | K/V GB/s | output |\n|---|---|---|---|")
-        for us, name, ok in rows[: args.top] + [r for r in rows[args.top:] if r[1] == "(default)"]:
-            print(f"| {name} | {us:.1f} | {kv_bytes / us / 1e3:.0f} | {'ok' if ok else 'MISMATCH'} |", flush=True)
+        for line in sweep_tiles(f"batch {b}", attend, {}, candidates(d), kv_bytes, args.pools, args.top):
+            print(line, flush=True)
         pools.clear()
         torch.cuda.empty_cache()
     return 0

@@ -32,6 +32,29 @@ def graph_time_us(fn, calls: int, reps: int = 10) -> float:
     return _time_ms(graph.replay, reps) * 1e3 / calls
 
 
+def sweep_tiles(name: str, fn, default: dict, options: list[dict], nbytes: float, calls: int,
+                top: int | None = None) -> list[str]:
+    """A markdown table, fastest first, of ``fn(tiles, i)`` (a kernel launch on data copy ``i``)
+    for the default tiles and each option: checked against the default's output on copy 0, timed
+    with ``graph_time_us`` over ``calls`` copies, ``nbytes`` read per call. ``top``: rows shown
+    (the default's row always)."""
+    ref = fn(default, 0)
+    rows = []
+    for tiles in ([default] if default not in options else []) + options:
+        try:
+            out = fn(tiles, 0)
+            ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            us = graph_time_us(lambda i: fn(tiles, i), calls)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
+            rows.append((float("inf"), f"| {tiles} | failed: {type(exc).__name__} | | |"))
+            continue
+        mark = " (default)" if tiles == default else ""
+        rows.append((us, f"| {tiles}{mark} | {us:.1f} | {nbytes / us / 1e3:.0f} | {'ok' if ok else 'MISMATCH'} |"))
+    rows.sort(key=lambda r: r[0])
+    shown = [r for k, (_, r) in enumerate(rows) if top is None or k < top or "(default)" in r]
+    return [f"\n{name}", "| tiles | us per call | GB/s | output |", "|---|---|---|---|"] + shown
+
+
 def measure_ceilings() -> dict:
     n = 1 << 30  # 2 GiB of bf16, well past L2
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")

@@ -18,30 +18,13 @@ import torch
 
 from ninfer.engine.layers import moe_triton as mt
 
-from .gpu_env import graph_time_us
+from .gpu_env import sweep_tiles
 from .shapes import shape_config
 
 
 def candidates(block_ns, block_ks, warps, **fixed):
     return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, **fixed}
             for n, k, w in itertools.product(block_ns, block_ks, warps)]
-
-
-def sweep(name: str, fn, default: dict, options: list[dict], nbytes: int, routes: int) -> list[str]:
-    ref = fn(default, 0)
-    rows = []
-    for tiles in options:
-        try:
-            out = fn(tiles, 0)
-            ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            us = graph_time_us(lambda r: fn(tiles, r), routes)
-        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
-            rows.append((float("inf"), f"| {tiles} | failed: {type(exc).__name__} | | |"))
-            continue
-        mark = " (default)" if tiles == {**default} else ""
-        rows.append((us, f"| {tiles}{mark} | {us:.1f} | {nbytes / us / 1e3:.0f} | {'ok' if ok else 'MISMATCH'} |"))
-    rows.sort(key=lambda r: r[0])
-    return [f"\n{name}", "| tiles | us per call | GB/s | output |", "|---|---|---|---|"] + [r for _, r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         h = torch.randn(n * (k + 1), inter, dtype=dt, device=dev)
         distinct = sum(ids.unique().numel() for ids, _ in routed) / routes
         if "gate_up" in kernels:
-            for line in sweep(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
+            for line in sweep_tiles(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
                               lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
                               mt.GATE_UP_TILES, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
                               distinct * 2 * inter * hid * 2, routes):
                 print(line, flush=True)
         if "down" in kernels:
-            for line in sweep(f"down, {n} token(s), {distinct:.1f} distinct experts",
+            for line in sweep_tiles(f"down, {n} token(s), {distinct:.1f} distinct experts",
                               lambda t, r: mt.moe_down_triton(h, down, shared_d, *routed[r], t), mt.down_tiles(n),
                               candidates([1, 2, 4, 8, 16, 32], [128, 256, 512], [2, 4, 8], ALL_SLOTS=False)
                               + candidates([1, 2, 4, 8], [128, 256, 512], [1, 2, 4, 8], ALL_SLOTS=True),
