@@ -1,21 +1,20 @@
 """Programmatic dependent launch (Hopper and newer) for the decode step's Triton kernels.
 
 A kernel launched this way may start while the kernel before it in the stream is still running.
-Each of ours first lets the next kernel start as soon as all of its own programs run
-(``gdc_launch_dependents``), may load what no kernel writes (weights), then waits until the
+Each of ours lets the next kernel start once all of its own programs run
+(``gdc_launch_dependents``), may load what no kernel writes (weights) early, and waits until the
 kernels before it have finished and their writes are visible (``gdc_wait``) before it reads
 anything they produce or writes anything at all. A chain of such launches hides each kernel's
 start (and the latency of its first weight loads) behind the tail of the kernel before; any
 other kernel in the stream waits for everything before it, as without PDL. CUDA-graph capture
 keeps the launches' programmatic edges.
 
-Two forms: ``NINFER_PDL=1`` releases the next kernel at the start of each program, before the
-wait (the next kernel's programs may then be resident and waiting while this one runs);
-``NINFER_PDL=late`` releases it right after the wait. Off unless one of them is set: the first
-form, with the GEMV also reading its first weight chunk before the wait, made the 35B-A3B
-batch-1 step slower on an H200 (2.71 ms against 2.58 without it, bench/RESULTS.md 2026-12-01);
-the switch is there so the next measurement is one environment variable away
-(``bash bench/gpu_check.sh OUT pdl`` times all three).
+Two forms: ``NINFER_PDL=late`` (the default) releases the next kernel right after the wait;
+``NINFER_PDL=1`` releases it at the start of each program, before the wait (the next kernel's
+programs may then be resident and waiting while this one runs); ``NINFER_PDL=0`` turns it off.
+Timed on an H200 at the 35B-A3B shape, batch 1 (bench/RESULTS.md, 2026-12-01 later): off 2.57 ms
+per step, release first 2.51, late release 2.50. An earlier form in which the GEMV also read its
+first weight chunk before the wait was slower than none (2.71 ms against 2.58).
 """
 from __future__ import annotations
 
@@ -28,8 +27,11 @@ import triton.language as tl
 
 from .triton_switch import INTERPRET
 
-_MODES = {"1": 1, "late": 2}
-MODE = _MODES.get(os.environ.get("NINFER_PDL", ""), 0)  # 0 off, 1 release first, 2 release after the wait
+_MODES = {"0": 0, "off": 0, "1": 1, "late": 2}
+_SETTING = os.environ.get("NINFER_PDL", "late").strip().lower() or "late"
+if _SETTING not in _MODES:
+    raise ValueError(f"NINFER_PDL={_SETTING!r}: expected late (the default), 1, or 0 / off")
+MODE = _MODES[_SETTING]  # 0 off, 1 release first, 2 release after the wait
 
 
 @functools.cache
