@@ -22,6 +22,16 @@ MAX_SPLITS = 64
 # Head-dim columns per merge program: a lone sequence has only ``H`` heads to merge, each over up
 # to 64 splits, so whole heads left most SMs idle (8 us per layer for 16 heads of 256 on an H200).
 REDUCE_BLOCK_D = 64
+# Launch choices by (query heads, KV heads, head_dim) that differ from the defaults above, each
+# the one a model shape's decode step was measured with on an H200 (bench/RESULTS.md, 2026-12-01
+# later): the 27B and 0.8B shapes ran with at most 32 splits, 3 stages and merge slices of 32
+# columns (the fastest alone in ``bench.attention_tune`` at the 35B-A3B shape, 11.3 us against
+# 12.4). In the 35B-A3B step the same choices were slower (2.69 ms against 2.50 with the
+# defaults), so that shape keeps the defaults.
+SHAPE_TILES: dict[tuple[int, int, int], dict] = {
+    (24, 4, 256): {"MAX_SPLITS": 32, "num_stages": 3, "REDUCE_BLOCK_D": 32},  # Qwen3.5-27B
+    (8, 2, 256): {"MAX_SPLITS": 32, "num_stages": 3, "REDUCE_BLOCK_D": 32},  # Qwen3.5-0.8B
+}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -126,12 +136,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
                                   scale: float, gate: torch.Tensor | None = None,
                                   tiles: dict | None = None) -> torch.Tensor:
     """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``tiles``
-    overrides the launch choices (``bench.attention_tune``): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``,
-    ``BLOCK_N`` (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and
-    ``REDUCE_BLOCK_D``."""
-    t = tiles or {}
+    overrides the launch choices (those of ``SHAPE_TILES`` for the shape, else the module's
+    defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
+    (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
+    t = dict(SHAPE_TILES.get((h, hkv, d), {}), **(tiles or {}))
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("paged attention kernel: head_dim must be a power of two and pages contiguous")
     q = q.contiguous()

@@ -32,11 +32,13 @@ def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatc
     assert rel_err(out, ref) < 1e-5
 
 
-def test_paged_decode_attention_launch_choices():
+@pytest.mark.parametrize("per_shape", [False, True])
+def test_paged_decode_attention_launch_choices(per_shape, monkeypatch):
     """The tuning overrides (more split programs, a split cap that does not divide the context,
-    smaller steps and merge slices) give the reference's output."""
+    smaller steps and merge slices), passed per call or as the shape's entry of ``SHAPE_TILES``,
+    give the reference's output."""
+    from ninfer.engine.layers import paged_attention_triton as kernel
     from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
-    from ninfer.engine.layers.paged_attention_triton import paged_decode_attention_triton
 
     k = torch.randn(30, 8, 2, 32)
     v = torch.randn_like(k)
@@ -45,8 +47,14 @@ def test_paged_decode_attention_launch_choices():
     q = torch.randn(2, 4, 32)
     tiles = {"PROGRAMS_PER_SM": 8, "MAX_SPLITS": 5, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
              "REDUCE_BLOCK_D": 8}
-    out = paged_decode_attention_triton(q, k, v, tables, lens, 32**-0.5, None, tiles)
+    if per_shape:
+        monkeypatch.setitem(kernel.SHAPE_TILES, (4, 2, 32), tiles)
+    caps = []
+    splits = kernel.num_splits_for
+    monkeypatch.setattr(kernel, "num_splits_for", lambda *a: caps.append(a[-1]) or splits(*a))
+    out = kernel.paged_decode_attention_triton(q, k, v, tables, lens, 32**-0.5, None, None if per_shape else tiles)
     assert rel_err(out, paged_decode_attention_ref(q, k, v, tables, lens, 32**-0.5)) < 1e-5
+    assert caps == [5]  # the split cap of these tiles, not the module's default
 
 
 def test_norm_kernels():
