@@ -2,18 +2,23 @@
 
     python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
                            [--prefill 512,16384] [--steps 32] [--no-hf] [--json FILE]
+                           [--set engine.layers.paged_attention_triton.MAX_SPLITS=32 ...]
 
 Random bf16 weights at the real shape are made directly on the GPU (no checkpoint). The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
 bandwidth floor reached; then the same work through HF transformers (+ fla-core). It prints a
-table and writes JSON.
+table and writes JSON. ``--set`` replaces a module-level setting of the package (a Python literal
+of the same type) before anything is built, so one run on a GPU machine can time a step with and
+without a launch choice; the settings are printed and kept in the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import importlib
 import json
 import platform
 import time
@@ -286,6 +291,34 @@ def table(results: dict, ceilings: dict) -> str:
     return "\n".join(rows)
 
 
+def apply_settings(specs: list[str]) -> list[str]:
+    """``MODULE.NAME=VALUE`` (``MODULE`` under the ``ninfer`` package, ``VALUE`` a Python literal of
+    the current value's type) -> the settings made, as ``MODULE.NAME=VALUE`` lines; anything else
+    raises ValueError naming the spec."""
+    made = []
+    for spec in specs:
+        target, sep, text = spec.partition("=")
+        module_name, _, name = target.strip().rpartition(".")
+        if not sep or not module_name or not name:
+            raise ValueError(f"--set {spec!r}: expected MODULE.NAME=VALUE")
+        try:
+            module = importlib.import_module(f"ninfer.{module_name}")
+        except ImportError as e:
+            raise ValueError(f"--set {spec!r}: no module ninfer.{module_name} ({e})") from None
+        if not hasattr(module, name):
+            raise ValueError(f"--set {spec!r}: ninfer.{module_name} has no setting {name}")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {spec!r}: {text.strip()!r} is not a Python literal") from None
+        current = getattr(module, name)
+        if type(value) is not type(current):
+            raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not {type(value).__name__}")
+        setattr(module, name, value)
+        made.append(f"{module_name}.{name}={value!r}")
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", action="append", required=True, choices=sorted(SHAPES))
@@ -299,9 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--gemv", choices=["auto", "off"], default="auto",
                    help="off: every decode projection through cuBLAS (fused_linear.GEMV_MAX_ROWS = 0)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="replace a module-level setting first, e.g. engine.layers.paged_attention_triton.MAX_SPLITS=32")
     args = p.parse_args(argv)
+    try:
+        settings = apply_settings(args.set)
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if settings:
+        print("settings: " + ", ".join(settings), flush=True)
     if args.gemv == "off":
         from ninfer.engine.layers import fused_linear
 

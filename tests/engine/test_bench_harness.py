@@ -46,3 +46,31 @@ def test_peer_harness_on_cpu_reads_both_decode_figures_and_the_table_shows_them(
     assert f"{ours['decode'][1]['tok_s'] / gen:.1f}x" in row
     floor_ms = ours["decode"][1]["bytes_per_step"] / 10e9 * 1e3  # one decimal: 84.6% is not 85%
     assert row.endswith(f"| {100 * floor_ms / ours['decode'][1]['ms_per_step']:.1f}% |")
+
+
+def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch):
+    """``bench.decode --set``: a module-level setting replaced by a literal of its type; a wrong
+    module, name, literal or type is a clear error, and nothing is half-set."""
+    import pytest
+
+    from bench.decode import apply_settings, main
+    from ninfer.engine.layers import paged_attention_triton as pa
+
+    monkeypatch.setattr(pa, "MAX_SPLITS", pa.MAX_SPLITS)  # put back after the test
+    monkeypatch.setattr(pa, "SHAPE_TILES", pa.SHAPE_TILES)
+    made = apply_settings(["engine.layers.paged_attention_triton.MAX_SPLITS=16",
+                           "engine.layers.paged_attention_triton.SHAPE_TILES={}"])
+    assert pa.MAX_SPLITS == 16 and pa.SHAPE_TILES == {}
+    assert made == ["engine.layers.paged_attention_triton.MAX_SPLITS=16",
+                    "engine.layers.paged_attention_triton.SHAPE_TILES={}"]
+    for spec, why in [("engine.layers.paged_attention_triton.MAX_SPLITS", "expected MODULE.NAME=VALUE"),
+                      ("engine.layers.nothing.X=1", "no module ninfer.engine.layers.nothing"),
+                      ("engine.layers.paged_attention_triton.MAX_SPLIT=1", "has no setting MAX_SPLIT"),
+                      ("engine.layers.paged_attention_triton.MAX_SPLITS=lots", "is not a Python literal"),
+                      ("engine.layers.paged_attention_triton.MAX_SPLITS=1.5", "MAX_SPLITS holds int, not float")]:
+        with pytest.raises(ValueError, match=why):
+            apply_settings([spec])
+    assert pa.MAX_SPLITS == 16
+    with pytest.raises(SystemExit) as e:  # the command line refuses it before touching the GPU
+        main(["--shape", "qwen3.5-0.8b", "--set", "engine.layers.paged_attention_triton.MAX_SPLITS=x"])
+    assert e.value.code == 2
