@@ -4,8 +4,10 @@
 # PARTS: "all" (default: tests, then bench), "tests", "bench", "tune" (bench.moe_tune,
 # bench.gdn_tune, bench.attention_tune), "gemv" (bench.gemv_tune at two shapes, plain and with
 # the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
-# then in its two forms), so a machine that limits one command's time can take the run in
-# several calls; "all" runs neither tuning part nor "pdl".
+# then in its two forms) or "ab" (decode steps with and without an open launch choice, through
+# bench.decode --set: the 35B-A3B router read after the PDL wait, the 27B without its own
+# attention choices), so a machine that limits one command's time can take the run in several
+# calls; "all" runs neither tuning part nor "pdl" nor "ab".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -13,8 +15,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -58,5 +60,15 @@ if [ "$parts" = pdl ]; then
             --json "$out/qwen3.5-35b-a3b-pdl-$mode.json"
     done
     unset NINFER_PDL
+fi
+if [ "$parts" = ab ]; then
+    moe="--shape qwen3.5-35b-a3b --batches 1 --prefill 512 --steps 16 --no-hf"
+    run ab-35b "$py" -m bench.decode $moe --json "$out/ab-35b.json"
+    run ab-35b-router-after-wait "$py" -m bench.decode $moe --json "$out/ab-35b-router-after-wait.json" \
+        --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False
+    dense="--shape qwen3.5-27b --batches 1,8 --prefill 512 --steps 16 --no-hf"
+    run ab-27b "$py" -m bench.decode $dense --json "$out/ab-27b.json"
+    run ab-27b-attention-defaults "$py" -m bench.decode $dense --json "$out/ab-27b-attention-defaults.json" \
+        --set "engine.layers.paged_attention_triton.SHAPE_TILES={}"
 fi
 exit "$status"

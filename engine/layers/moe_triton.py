@@ -93,10 +93,13 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
                        count_ptr, N, H, R, E, stride_r, eps,
                        ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                        TOKENS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, K_PAD: tl.constexpr,
-                       E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+                       E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                       WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Program ``(i, g)``: residual add + RMSNorm of the ``TOKENS`` tokens of group ``g`` and their
     logits for router rows ``[i * ROWS, (i + 1) * ROWS)``; the group's program that arrives last
-    (its counter ``count[g]``) routes the group's tokens and puts the counter back to zero."""
+    (its counter ``count[g]``) routes the group's tokens and puts the counter back to zero.
+    ``WEIGHTS_FIRST``: the router rows and norm weight are read before the wait for the kernel
+    before (``ROUTER_BEFORE_WAIT``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     group = tl.program_id(1)
@@ -104,11 +107,14 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
     cmask = cols < H
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
+    if not WEIGHTS_FIRST:
+        pdl_wait(PDL)
     # this program's router rows, read once (from HBM), issued before anything waits on a load
     router = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_r + cols, mask=rmask[:, None] & cmask,
                      other=0.0).to(tl.float32)
     w = norm_weight(nw_ptr, cols, cmask, ZERO_CENTERED)
-    pdl_wait(PDL)  # the weights above are read while the kernel before finishes
+    if WEIGHTS_FIRST:
+        pdl_wait(PDL)  # the weights above are read while the kernel before finishes
     for i in tl.static_range(TOKENS):  # unrolled: the tokens' loads are independent
         t = group * TOKENS + i
         tb = cols * 0 + t  # the token index as a block: masks built from it are block-wise bools
@@ -241,6 +247,13 @@ def route_triton(logits: torch.Tensor, top_k: int, num_experts: int, norm_topk_p
     return ids, wts
 
 
+# With programmatic dependent launch (``pdl.py``), the fused launch reads its router rows and norm
+# weight before waiting for the kernel before. Loads ahead of the wait made other kernels slower on
+# an H200 (the GEMV's first weight chunk, 2.71 against 2.58 ms per 35B-A3B step; the MoE down
+# GEMV's expert rows, 2.79 against 2.69); this one was never timed the other way round, which
+# ``python -m bench.decode ... --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False`` does.
+ROUTER_BEFORE_WAIT = True
+
 # Programs of the fused norm + router + routing launch, by token count N: the first entry whose
 # bound is >= N wins; past the last bound the unfused launches are faster. A program takes
 # ``ROWS`` router rows (power of 2) of one group of ``TOKENS`` tokens (power of 2); each group is
@@ -290,7 +303,7 @@ def norm_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
             router.stride(0), eps, ZERO_CENTERED=zero_centered, BLOCK_H=triton.next_power_of_2(hid),
             ROWS=t["ROWS"], TOKENS=t["TOKENS"], TOP_K=top_k, SLOTS=slots, K_PAD=triton.next_power_of_2(slots),
             E_PAD=triton.next_power_of_2(num_experts), NORM_TOPK=norm_topk_prob, SHARED=shared,
-            num_warps=t["num_warps"], **pdl_options(x))
+            WEIGHTS_FIRST=ROUTER_BEFORE_WAIT, num_warps=t["num_warps"], **pdl_options(x))
     return normed.view(x.shape), res_out.view(residual.shape), ids, wts
 
 

@@ -132,8 +132,14 @@ def test_moe_block(tokens, gemv_limit, shared, monkeypatch):
     (3, 48, None),  # a shared expert of its own size: not folded, run beside
     (3, 32, {"ROWS": 16, "TOKENS": 1, "num_warps": 4}),  # 2 x 3 programs: fewer row programs than tokens
     (3, 0, {"ROWS": 4, "TOKENS": 2, "num_warps": 4}),  # a ragged last token group
+    (3, 32, "router after the wait"),  # ROUTER_BEFORE_WAIT off
 ])
 def test_moe_norm_route(tokens, shared, tiles, monkeypatch):
+    if tiles == "router after the wait":
+        from ninfer.engine.layers import moe_triton
+
+        monkeypatch.setattr(moe_triton, "ROUTER_BEFORE_WAIT", False)
+        tiles = None
     check_moe_norm_route(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=16, top_k=4, inter=32,
                          shared=shared, tiles=tiles)
 
