@@ -9,9 +9,10 @@ measures the card's copy bandwidth and bf16 matmul rate, then for each shape: de
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
 bandwidth floor reached; then the same work through HF transformers (+ fla-core). It prints a
-table and writes JSON. ``--set`` replaces a module-level setting of the package (a Python literal
-of the same type) before anything is built, so one run on a GPU machine can time a step with and
-without a launch choice; the settings are printed and kept in the JSON.
+table and writes JSON. ``--set`` replaces a module-level setting of the package, or one entry of a
+dict setting (``MODULE.NAME[KEY]=VALUE``), with a Python literal of the same type before anything
+is built, so one GPU call can time a step with and without a launch choice; the settings are
+printed and kept in the JSON.
 """
 from __future__ import annotations
 
@@ -291,32 +292,51 @@ def table(results: dict, ceilings: dict) -> str:
     return "\n".join(rows)
 
 
+def _literal(spec: str, text: str):
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--set {spec!r}: {text.strip()!r} is not a Python literal") from None
+
+
 def apply_settings(specs: list[str]) -> list[str]:
-    """``MODULE.NAME=VALUE`` (``MODULE`` under the ``ninfer`` package, ``VALUE`` a Python literal of
-    the current value's type) -> the settings made, as ``MODULE.NAME=VALUE`` lines; anything else
-    raises ValueError naming the spec."""
-    made = []
+    """``MODULE.NAME=VALUE`` or ``MODULE.NAME[KEY]=VALUE`` (``MODULE`` under the ``ninfer``
+    package; ``KEY`` and ``VALUE`` Python literals, the value of the current value's type, a key
+    of a dict setting) -> the settings made, as lines; anything else raises ValueError naming the
+    spec, before anything is set."""
+    staged, lines = {}, []  # (module, name) -> the new value; set only once every spec is checked
     for spec in specs:
         target, sep, text = spec.partition("=")
-        module_name, _, name = target.strip().rpartition(".")
+        target, key_text = target.strip(), None
+        if target.endswith("]") and "[" in target:
+            target, _, key_text = target[:-1].partition("[")
+        module_name, _, name = target.rpartition(".")
         if not sep or not module_name or not name:
-            raise ValueError(f"--set {spec!r}: expected MODULE.NAME=VALUE")
+            raise ValueError(f"--set {spec!r}: expected MODULE.NAME=VALUE or MODULE.NAME[KEY]=VALUE")
         try:
             module = importlib.import_module(f"ninfer.{module_name}")
         except ImportError as e:
             raise ValueError(f"--set {spec!r}: no module ninfer.{module_name} ({e})") from None
         if not hasattr(module, name):
             raise ValueError(f"--set {spec!r}: ninfer.{module_name} has no setting {name}")
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--set {spec!r}: {text.strip()!r} is not a Python literal") from None
-        current = getattr(module, name)
-        if type(value) is not type(current):
-            raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not {type(value).__name__}")
+        current, value = staged.get((module, name), getattr(module, name)), _literal(spec, text)
+        if key_text is None:
+            if type(value) is not type(current):
+                raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not {type(value).__name__}")
+            staged[module, name] = value
+            lines.append(f"{module_name}.{name}={value!r}")
+            continue
+        if not isinstance(current, dict):
+            raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not a dict")
+        key = _literal(spec, key_text)
+        like = current.get(key, next(iter(current.values()), value))
+        if type(value) is not type(like):
+            raise ValueError(f"--set {spec!r}: {name} holds {type(like).__name__} values, not {type(value).__name__}")
+        staged[module, name] = {**current, key: value}
+        lines.append(f"{module_name}.{name}[{key!r}]={value!r}")
+    for (module, name), value in staged.items():
         setattr(module, name, value)
-        made.append(f"{module_name}.{name}={value!r}")
-    return made
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,8 +49,11 @@ def test_peer_harness_on_cpu_reads_both_decode_figures_and_the_table_shows_them(
 
 
 def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch):
-    """``bench.decode --set``: a module-level setting replaced by a literal of its type; a wrong
-    module, name, literal or type is a clear error, and nothing is half-set."""
+    """``bench.decode --set``: a module-level setting, or one entry of a dict setting, replaced by
+    a literal of its type; a wrong module, name, literal or type is a clear error, and nothing is
+    half-set."""
+    import re
+
     import pytest
 
     from bench.decode import apply_settings, main
@@ -67,10 +70,24 @@ def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch
                       ("engine.layers.nothing.X=1", "no module ninfer.engine.layers.nothing"),
                       ("engine.layers.paged_attention_triton.MAX_SPLIT=1", "has no setting MAX_SPLIT"),
                       ("engine.layers.paged_attention_triton.MAX_SPLITS=lots", "is not a Python literal"),
-                      ("engine.layers.paged_attention_triton.MAX_SPLITS=1.5", "MAX_SPLITS holds int, not float")]:
-        with pytest.raises(ValueError, match=why):
-            apply_settings([spec])
-    assert pa.MAX_SPLITS == 16
+                      ("engine.layers.paged_attention_triton.MAX_SPLITS=1.5", "MAX_SPLITS holds int, not float"),
+                      ("engine.layers.paged_attention_triton.MAX_SPLITS[1]=2", "MAX_SPLITS holds int, not a dict"),
+                      ("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 1, 1)]=3", "holds dict values, not int")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            apply_settings(["engine.layers.paged_attention_triton.MAX_SPLITS=8", spec])
+    assert pa.MAX_SPLITS == 16  # a refused list sets nothing, not even its good specs
+
+    from ninfer.engine.layers import fused_linear
+
+    monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", fused_linear.NORM_GEMV_SHAPE_TILES)
+    before = dict(fused_linear.NORM_GEMV_SHAPE_TILES)
+    made = apply_settings(['engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 12352, 2048)]='
+                           '{"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1}',
+                           'engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 9216, 2048)]={"BLOCK_N": 2}'])
+    assert fused_linear.NORM_GEMV_SHAPE_TILES == {**before, (1, 12352, 2048): {"BLOCK_N": 8, "BLOCK_K": 512,
+                                                                              "num_warps": 1},
+                                                  (1, 9216, 2048): {"BLOCK_N": 2}}
+    assert made[0].startswith("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 12352, 2048)]=")
     with pytest.raises(SystemExit) as e:  # the command line refuses it before touching the GPU
         main(["--shape", "qwen3.5-0.8b", "--set", "engine.layers.paged_attention_triton.MAX_SPLITS=x"])
     assert e.value.code == 2
