@@ -250,7 +250,8 @@ def route_triton(logits: torch.Tensor, top_k: int, num_experts: int, norm_topk_p
 # With programmatic dependent launch (``pdl.py``), the fused launch reads its router rows and norm
 # weight before waiting for the kernel before. Loads ahead of the wait made other kernels slower on
 # an H200 (the GEMV's first weight chunk, 2.71 against 2.58 ms per 35B-A3B step; the MoE down
-# GEMV's expert rows, 2.79 against 2.69); this one was never timed the other way round, which
+# GEMV's expert rows, 2.79 against 2.69, in two calls on two machines; bench/RESULTS.md,
+# 2026-12-01); this one was never timed the other way round, which
 # ``python -m bench.decode ... --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False`` does.
 ROUTER_BEFORE_WAIT = True
 
