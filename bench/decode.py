@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ninfer.engine.layers import pdl
+
 from .gpu_env import measure_ceilings
 from .shapes import SHAPES, shape_config
 
@@ -267,8 +269,6 @@ def _empty_cache() -> None:
 
 def table(results: dict, ceilings: dict) -> str:
     bw = ceilings["copy_gb_s"] * 1e9
-    from ninfer.engine.layers import pdl
-
     rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} "
             f"TFLOP/s; programmatic dependent launch {['off', 'on', 'on, late release'][pdl.MODE]} (NINFER_PDL)",
             "| shape | work | ninfer | HF transformers (forward loop; generate) | ninfer / HF (loop; generate) "
@@ -379,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
             hf_prefills = prefills if args.hf_prefill is None else [int(x) for x in args.hf_prefill.split(",") if x]
             results[name]["hf"] = bench_hf(name, hf_batches, args.context, hf_prefills, min(args.steps, 8))
         print(table({name: results[name]}, ceilings), flush=True)
-    from ninfer.engine.layers import pdl
-
     report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "torch": torch.__version__,
               "pdl": pdl.MODE, "ceilings": ceilings, "args": vars(args), "results": results}
     print("\n" + table(results, ceilings))
