@@ -48,10 +48,13 @@ GEMV_SHAPE_TILES: dict[tuple[int, int, int], dict | None] = {
 # The GEMV with the pre-norm add + RMSNorm in front (``norm_linear``), by (M, N, K): taken only
 # where measured faster than the add + norm launch followed by the plain projection
 # (``python -m bench.gemv_tune --norm``, H200, us per call in a CUDA graph); every program re-reads
-# the input and residual rows, so its best tiles are taller than the plain GEMV's. Not taken at
-# the 35B-A3B GDN input projection (15.9 either way) nor the 27B MLP gate/up (86.0 vs 86.5).
+# the input and residual rows, so its best tiles are taller than the plain GEMV's. The 35B-A3B GDN
+# input projection tied alone (15.9 either way) but its whole decode step was 2.43 ms against
+# 2.51 with it (graph 2.39 vs 2.45, bench.decode on one H200 machine, one launch less per GDN
+# layer); not taken at the 27B MLP gate/up (86.0 vs 86.5).
 NORM_GEMV_SHAPE_TILES: dict[tuple[int, int, int], dict] = {
     (1, 9216, 2048): {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1},  # 35B-A3B attention qkv: 12.1 (13.5)
+    (1, 12352, 2048): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1},  # 35B-A3B GDN input: 15.9 (15.9)
     (1, 16480, 5120): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2},  # 27B GDN input: 43.9 (45.4)
     (1, 14336, 5120): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4},  # 27B attention qkv: 39.6 (40.6)
 }

@@ -81,13 +81,13 @@ def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch
 
     monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", fused_linear.NORM_GEMV_SHAPE_TILES)
     before = dict(fused_linear.NORM_GEMV_SHAPE_TILES)
-    made = apply_settings(['engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 12352, 2048)]='
+    made = apply_settings(['engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 8192, 2048)]='
                            '{"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1}',
                            'engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 9216, 2048)]={"BLOCK_N": 2}'])
-    assert fused_linear.NORM_GEMV_SHAPE_TILES == {**before, (1, 12352, 2048): {"BLOCK_N": 8, "BLOCK_K": 512,
+    assert fused_linear.NORM_GEMV_SHAPE_TILES == {**before, (1, 8192, 2048): {"BLOCK_N": 8, "BLOCK_K": 512,
                                                                               "num_warps": 1},
                                                   (1, 9216, 2048): {"BLOCK_N": 2}}
-    assert made[0].startswith("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 12352, 2048)]=")
+    assert made[0].startswith("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 8192, 2048)]=")
     with pytest.raises(SystemExit) as e:  # the command line refuses it before touching the GPU
         main(["--shape", "qwen3.5-0.8b", "--set", "engine.layers.paged_attention_triton.MAX_SPLITS=x"])
     assert e.value.code == 2
