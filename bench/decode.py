@@ -117,7 +117,8 @@ def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str, li
 
 
 def _graph_ms(engine, reqs) -> float | None:
-    """GPU time of one captured decode step alone (no scheduling, sampling or host work)."""
+    """GPU time of one captured decode step alone (no scheduling, sampling or host work; the
+    greedy argmax is in it where the graph takes it, ``cuda_graphs.GREEDY_IN_GRAPH``)."""
     graphs = engine.runner.graphs
     if graphs is None or not graphs.fits(reqs):
         return None

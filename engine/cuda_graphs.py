@@ -1,9 +1,12 @@
 """Decode steps captured in CUDA graphs, one graph per batch-size bucket.
 
-All inputs of a captured step live in static device buffers (token ids, positions, block tables,
-context lengths, KV write rows, state slots); a step copies the real rows in, pads the rest of
-the bucket with a reserved padding page and slot, replays the graph, and reads the logits.
-Nothing in a replay syncs with the host; the caller reads the sampled tokens once.
+All inputs of a captured step live in one static device buffer (token ids, positions, KV write
+rows, state slots, context lengths, block tables); a step copies the real rows in with one copy,
+pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
+the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
+ids, so a greedy decode step that follows with the same rows needs no token copy at all
+(``run(..., follow=True)``). Nothing in a replay syncs with the host; the caller reads the
+sampled tokens once.
 """
 from __future__ import annotations
 
@@ -19,19 +22,35 @@ from .request import Request
 log = logging.getLogger("ninfer.engine")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+# the argmax inside the captured step, over its input ids (False: the sampler takes it after)
+GREEDY_IN_GRAPH = True
+
+
+def _layout(n: int, max_pages: int) -> tuple[int, int]:
+    """Bytes of the int64 rows (token ids, positions, KV write rows, state slots) and of the whole
+    input buffer (then the int32 context lengths and block tables) for ``n`` rows."""
+    wide = 4 * n * 8
+    return wide, wide + (n + n * max_pages) * 4
+
+
+def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[4, n]`` int64 rows and the int32 lengths + tables of an input buffer (bytes)."""
+    wide, _ = _layout(n, max_pages)
+    return buf[:wide].view(torch.long).view(4, n), buf[wide:].view(torch.int32)
 
 
 class _Stage:
     """Pinned host copies of the static inputs, written row by row and sent in two copies.
 
     ``wide`` holds four int64 rows (token ids, positions, KV write rows, state slots), ``narrow``
-    the int32 context lengths followed by the block tables, in the device buffers' layout."""
+    the int32 context lengths followed by the block tables; both are views of ``bytes``, laid out
+    as the device buffer is, so a step's inputs go over in one copy."""
 
     def __init__(self, n: int, max_pages: int, pad: tuple[int, int, int]) -> None:
         self.n, self.max_pages, self.pad = n, max_pages, pad
         pin = torch.cuda.is_available()  # pinned, so the copies are truly asynchronous
-        self.wide = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
-        self.narrow = torch.zeros(n + n * max_pages, dtype=torch.int32, pin_memory=pin)
+        self.bytes = torch.zeros(_layout(n, max_pages)[1], dtype=torch.uint8, pin_memory=pin)
+        self.wide, self.narrow = _views(self.bytes, n, max_pages)
         self.tables = self.narrow[n:].view(n, max_pages)
         self.keys: list[tuple[object, int] | None] = [None] * n  # (cache, pages) each table row holds
         self.rows = n
@@ -80,8 +99,8 @@ class CudaGraphDecoder:
         self.max_pages = -(-max_context // caches.page_size) + 1
         self.pad_page, self.pad_slot = caches.reserve_padding()
         n = self.max_batch = max_batch
-        self.wide = torch.zeros(4, n, dtype=torch.long, device=device)
-        self.narrow = torch.zeros(n + n * self.max_pages, dtype=torch.int32, device=device)
+        self.inputs = torch.zeros(_layout(n, self.max_pages)[1], dtype=torch.uint8, device=device)
+        self.wide, self.narrow = _views(self.inputs, n, self.max_pages)
         self.input_ids, self.positions, self.write_index, self.slot_ids = self.wide.unbind(0)
         self.context_lens = self.narrow[:n]
         self.block_tables = self.narrow[n:].view(n, self.max_pages)
@@ -93,11 +112,14 @@ class CudaGraphDecoder:
         self._send(self._stages[0], n)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.greedy_in_graph = GREEDY_IN_GRAPH  # fixed at capture
 
-    def _send(self, stage: _Stage, b: int) -> None:
-        self.wide.copy_(stage.wide, non_blocking=True)
-        end = self.max_batch + b * self.max_pages
-        self.narrow[:end].copy_(stage.narrow[:end], non_blocking=True)
+    def _send(self, stage: _Stage, b: int, ids: bool = True) -> None:
+        """One copy of the stage up to bucket ``b``'s block tables; without the token ids row
+        when the device already holds them."""
+        wide, _ = _layout(self.max_batch, self.max_pages)
+        start, end = 0 if ids else 8 * self.max_batch, wide + (self.max_batch + b * self.max_pages) * 4
+        self.inputs[start:end].copy_(stage.bytes[start:end], non_blocking=True)
 
     def _batch(self, b: int) -> ForwardBatch:
         meta = DecodeMeta(
@@ -120,6 +142,8 @@ class CudaGraphDecoder:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model.compute_logits(self.model(self.input_ids[:b], batch))
+                if self.greedy_in_graph:  # the embedding has read the ids: the greedy tokens take their place
+                    torch.argmax(logits, dim=-1, out=self.input_ids[:b])
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
@@ -131,17 +155,22 @@ class CudaGraphDecoder:
         """Whether a captured graph can run this decode batch."""
         return self.bucket(len(reqs)) is not None and all(len(r.cache.pages) <= self.max_pages for r in reqs)
 
-    def run(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced).
-        The input tokens are the requests' next uncomputed ones, or ``ids`` (on the device)."""
+    def run(self, reqs: list[Request], ids: torch.Tensor | None = None,
+            follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced),
+        and their argmax (a view of the input ids, valid until the next step) or None when the
+        graph does not take it. The input tokens are the requests' next uncomputed ones, or
+        ``ids`` (on the device); ``follow``: they are the greedy tokens of the replay just before,
+        whose first rows were these same requests in this order, and are already in place."""
         n = len(reqs)
         b = self.bucket(n)
         self._turn ^= 1
         stage = self._stages[self._turn]
         stage.fill(reqs, self.caches.page_size)
-        self._send(stage, b)
-        if ids is not None:
+        follow = follow and self.greedy_in_graph
+        self._send(stage, b, ids=not follow)
+        if ids is not None and not follow:
             self.input_ids[:n].copy_(ids)
         graph, logits = self.graphs[b]
         graph.replay()
-        return logits[:n]
+        return logits[:n], (self.input_ids[:n] if self.greedy_in_graph else None)

@@ -25,12 +25,13 @@ class Launched:
     the device (copied towards pinned host memory behind an event on CUDA)."""
 
     def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], tokens: torch.Tensor | None,
-                 decode: bool, host: torch.Tensor | None = None) -> None:
+                 decode: bool, host: torch.Tensor | None = None, in_place: bool = False) -> None:
         self.plan = plan
         self.ready = ready
         self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
         self.tokens = tokens
         self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
+        self.in_place = in_place  # the tokens are where a captured graph reads its next input ids
         self._host = None
         self._event = None
         if tokens is not None and host is not None:
@@ -92,21 +93,24 @@ class ModelRunner:
         ``prev.ready``: each one's input is the token ``prev`` sampled for it, taken on the device,
         before the host has read it. The caller has reserved cache room for one more token."""
         rows = [i for i, r in enumerate(prev.ready) if any(r is q for q in reqs)]
-        ids = prev.tokens if len(rows) == len(prev.ready) else prev.tokens[torch.tensor(rows, device=self.device)]
+        whole = len(rows) == len(prev.ready)
+        ids = prev.tokens if whole else prev.tokens[torch.tensor(rows, device=self.device)]
         with torch.inference_mode():
-            return self._launch_decode([(r, 1) for r in reqs], reqs, ids)
+            return self._launch_decode([(r, 1) for r in reqs], reqs, ids, follow=whole and prev.in_place)
 
-    def _launch_decode(self, plan, reqs: list[Request], ids: torch.Tensor | None) -> Launched:
-        logits = self._decode(reqs, ids)
+    def _launch_decode(self, plan, reqs: list[Request], ids: torch.Tensor | None, follow: bool = False) -> Launched:
+        logits, greedy = self._decode(reqs, ids, follow)
         for r in reqs:
             r.num_computed += 1
-        return self._launched(plan, reqs, logits, decode=True)
+        return self._launched(plan, reqs, logits, decode=True, greedy=greedy)
 
-    def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool) -> Launched:
+    def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool,
+                  greedy: torch.Tensor | None = None) -> Launched:
         if not ready:
             return Launched(plan, [], None, decode)
-        tokens = sample_tokens(logits, ready)
-        return Launched(plan, ready, tokens, decode, self._readback(len(ready)))
+        tokens = sample_tokens(logits, ready, greedy)
+        return Launched(plan, ready, tokens, decode, self._readback(len(ready)),
+                        in_place=greedy is not None and tokens is greedy)
 
     def _readback(self, n: int) -> torch.Tensor | None:
         """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites
@@ -119,9 +123,13 @@ class ModelRunner:
         self._turn ^= 1
         return self._pinned[self._turn]
 
-    def _decode(self, reqs: list[Request], ids: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, reqs: list[Request], ids: torch.Tensor | None,
+                follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of one decode token per request, and their argmax where a captured graph took
+        it; ``follow``: ``ids`` are already the graph's input ids (``CudaGraphDecoder.run``)."""
+        greedy = None
         if self.graphs is not None and self.graphs.fits(reqs):
-            logits = self.graphs.run(reqs, ids)
+            logits, greedy = self.graphs.run(reqs, ids, follow)
         else:
             meta = build_decode_meta(reqs, self.caches, self.device)
             positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
@@ -131,7 +139,7 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model(ids, batch))
         for r in reqs:
             r.cache.num_tokens += 1
-        return logits
+        return logits, greedy
 
     def _eager(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         ids, positions = [], []

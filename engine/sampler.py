@@ -75,10 +75,12 @@ def uses_history(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
-def sample_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
-    left on the device: every row is decided there (plain greedy rows in one argmax)."""
-    greedy = torch.argmax(logits, dim=-1)
+    left on the device: every row is decided there (plain greedy rows in one argmax, ``greedy``
+    where the caller has it already; returned as is when every row is plain greedy)."""
+    if greedy is None:
+        greedy = torch.argmax(logits, dim=-1)
     if all(_plain_greedy(r.params) for r in reqs):
         return greedy
     return torch.cat([greedy[i : i + 1] if _plain_greedy(r.params) else sample_one(logits[i], r)
