@@ -145,14 +145,12 @@ def test_moe_norm_route(tokens, shared, tiles, monkeypatch):
                          shared=shared, tiles=tiles)
 
 
-@pytest.mark.parametrize("name, front", [(name, False) for name in sorted(BUILDERS)] + [("qwen3_5", True)])
-def test_fused_decode_path_matches_per_sequence_path(name, front, tmp_path_factory, monkeypatch):
-    """Tiny models decoding greedily through every fused decode kernel (``front``: attention's
-    q/k norm + RoPE + K/V write in its split programs) give the tokens the per-sequence path
-    gives."""
-    from ninfer.engine.layers import attention, moe
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, monkeypatch):
+    """Tiny models decoding greedily through every fused decode kernel give the tokens the
+    per-sequence path gives."""
+    from ninfer.engine.layers import moe
 
-    monkeypatch.setattr(attention, "FRONT_IN_SPLITS", front)
     parts = load_parts(name, tmp_path_factory)
     # decode steps (3 tokens) take the grouped GEMVs, prefills the grouped GEMM (under the
     # interpreter the GEMVs would run thousands of programs for a prefill)
