@@ -5,10 +5,10 @@
 # bench.gdn_tune, bench.attention_tune), "gemv" (bench.gemv_tune at two shapes, plain and with
 # the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
 # then in its two forms) or "ab" (decode steps with and without an open launch choice, through
-# bench.decode --set: the 35B-A3B router read after the PDL wait, its GDN input norm inside the
-# projection's GEMV, attention's q/k norm + RoPE + K/V write in its split programs; the 27B
-# without its own attention choices), so a machine that limits one command's time can take the
-# run in several calls; "all" runs neither tuning part nor "pdl" nor "ab".
+# bench.decode --set: the 35B-A3B router read after the PDL wait, its greedy argmax taken after
+# the graph rather than in it, the 27B without its own attention choices), so a machine that
+# limits one command's time can take the run in several calls; "all" runs neither tuning part nor
+# "pdl" nor "ab".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -67,11 +67,8 @@ if [ "$parts" = ab ]; then
     run ab-35b "$py" -m bench.decode $moe --json "$out/ab-35b.json"
     run ab-35b-router-after-wait "$py" -m bench.decode $moe --json "$out/ab-35b-router-after-wait.json" \
         --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False
-    # the add + RMSNorm in the GDN input projection's GEMV: tied alone (15.9 us both), one launch less
-    run ab-35b-gdn-norm-gemv "$py" -m bench.decode $moe --json "$out/ab-35b-gdn-norm-gemv.json" \
-        --set 'engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 12352, 2048)]={"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1}'
-    run ab-35b-front-in-splits "$py" -m bench.decode $moe --json "$out/ab-35b-front-in-splits.json" \
-        --set engine.layers.attention.FRONT_IN_SPLITS=True
+    run ab-35b-argmax-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-argmax-after-graph.json" \
+        --set engine.cuda_graphs.GREEDY_IN_GRAPH=False
     dense="--shape qwen3.5-27b --batches 1,8 --prefill 512 --steps 16 --no-hf"
     run ab-27b "$py" -m bench.decode $dense --json "$out/ab-27b.json"
     run ab-27b-attention-defaults "$py" -m bench.decode $dense --json "$out/ab-27b-attention-defaults.json" \

@@ -24,11 +24,6 @@ if TYPE_CHECKING:
     from ..models.base import ForwardBatch
 
 QK_NORM_KINDS = (None, "plain", "zero_centered")
-# Decode on Triton: the q/k norm + RoPE + K/V write done by the paged attention's split programs
-# (``paged_attention_triton.front_decode_attention_triton``), one launch per attention layer fewer.
-# Off until a GPU run shows the step faster with it (``python -m bench.decode ... --set
-# engine.layers.attention.FRONT_IN_SPLITS=True``, ``bash bench/gpu_check.sh OUT ab``).
-FRONT_IN_SPLITS = False
 
 # Upper bound on the fp32 score matrix per query chunk, so long prompts do not need O(T*S) memory.
 _MAX_SCORE_ELEMENTS = 1 << 26
@@ -167,19 +162,11 @@ class Attention(NormFusedInput, nn.Module):
 
     def _decode_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       meta) -> torch.Tensor:
-        """The decode step from the raw projections in Triton launches: q/k norm + RoPE + K/V
-        write (``attention_triton.py``), then paged attention whose merge applies the output gate;
-        with ``FRONT_IN_SPLITS`` the attention's split programs do the first launch's work. The
-        torch path of ``forward`` + ``_decode`` is its reference."""
+        """The decode step from the raw projections in two Triton launches: q/k norm + RoPE +
+        K/V write (``attention_triton.py``), then paged attention whose merge applies the output
+        gate. The torch path of ``forward`` + ``_decode`` is its reference."""
         a = meta.attn_ordinal[self.layer_idx]
         k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
-        if FRONT_IN_SPLITS:
-            from .paged_attention_triton import front_decode_attention_triton
-
-            return front_decode_attention_triton(
-                q, k, v, positions, *self._norm_rope_args(q.device), meta.write_index, k_pages, v_pages,
-                meta.block_tables, meta.context_lens, self.scale, self.num_heads, self._q_head_stride(),
-                self._gate(q))
         q_rot = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         return paged_decode_attention(q_rot, k_pages, v_pages, meta.block_tables, meta.context_lens,
                                       self.scale, self._gate(q))
@@ -194,19 +181,12 @@ class Attention(NormFusedInput, nn.Module):
         """q/k norm + RoPE + K/V write into the pages, one Triton launch; the rotated query."""
         from .attention_triton import decode_qkv_triton
 
-        return decode_qkv_triton(q, k, v, positions, *self._norm_rope_args(q.device), write_index, k_pages, v_pages,
-                                 self.num_heads, self._q_head_stride())
-
-    def _norm_rope_args(self, device: torch.device) -> tuple:
-        """The q/k norm + RoPE kernels' ``inv_freq, q_norm, k_norm, zero_centered, eps``."""
         norm = self.q_norm
-        return (self.rotary.inv_freq_on(device), None if norm is None else norm.weight,
-                None if norm is None else self.k_norm.weight, norm is not None and norm.zero_centered,
-                0.0 if norm is None else norm.eps)
-
-    def _q_head_stride(self) -> int:
-        """Columns between query heads in the raw query rows (``2D`` with the gate interleaved)."""
-        return 2 * self.head_dim if self.gated else self.head_dim
+        return decode_qkv_triton(
+            q, k, v, positions, self.rotary.inv_freq_on(q.device),
+            None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
+            norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
+            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim)
 
     def _prefill_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        batch: ForwardBatch) -> torch.Tensor:

@@ -19,33 +19,6 @@ from .pdl import pdl_options, pdl_wait
 
 
 @triton.jit
-def norm_rope(rows, d, mask, pos, inv_freq_ptr, w_ptr, eps, dtype_ptr, D: tl.constexpr, ROT: tl.constexpr,
-              NORM: tl.constexpr):
-    """Head rows ``rows + d`` (``rows`` ``[R, 1]`` pointers, ``d`` ``[1, D]``, ``mask`` broadcast
-    to both) -> fp32 ``[R, D]``: RMSNorm with weight ``w`` (``NORM`` 1 plain, 2 zero-centred, 0
-    none; rounded to ``dtype_ptr``'s type as the model's norm rounds), then the neox rotation of
-    the first ``ROT`` dims by ``pos * inv_freq`` (``pos`` fp32, broadcast to the rows)."""
-    half: tl.constexpr = ROT // 2
-    partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
-    x = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
-    if NORM != 0:
-        inv = inv_rms(x, D, eps, 1)[:, None]
-        w = tl.load(w_ptr + d).to(tl.float32)
-        wp = tl.load(w_ptr + partner).to(tl.float32)
-        if NORM == 2:
-            w += 1.0
-            wp += 1.0
-        x = (x * inv * w).to(dtype_ptr.dtype.element_ty).to(tl.float32)
-        xp = (xp * inv * wp).to(dtype_ptr.dtype.element_ty).to(tl.float32)
-    freq = tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < ROT, other=0.0)
-    angle = pos * freq
-    c = tl.cos(angle)
-    s = tl.sin(angle)
-    return tl.where(d < half, x * c - xp * s, tl.where(d < ROT, x * c + xp * s, x))
-
-
-@triton.jit
 def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_ptr, inv_freq_ptr,
                        qw_ptr, kw_ptr, write_ptr, k_pages_ptr, v_pages_ptr, q_out_ptr, eps,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
@@ -53,16 +26,32 @@ def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_pt
     pdl_wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
-    d = tl.arange(0, D)[None, :]
+    d = tl.arange(0, D)
+    half: tl.constexpr = ROT // 2
+    partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
     if j < H:
         src = q_ptr + b * stride_q + j * Q_HEAD_STRIDE
         w_ptr = qw_ptr
     else:
         src = k_ptr + b * stride_k + (j - H) * D
         w_ptr = kw_ptr
+    x = tl.load(src + d).to(tl.float32)
+    xp = tl.load(src + partner).to(tl.float32)
+    if NORM != 0:
+        inv = inv_rms(x, D, eps, 0)
+        w = tl.load(w_ptr + d).to(tl.float32)
+        wp = tl.load(w_ptr + partner).to(tl.float32)
+        if NORM == 2:
+            w += 1.0
+            wp += 1.0
+        x = (x * inv * w).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        xp = (xp * inv * wp).to(q_out_ptr.dtype.element_ty).to(tl.float32)
     pos = tl.load(pos_ptr + b).to(tl.float32)
-    out = norm_rope(src + tl.zeros([1, 1], tl.int32), d, d < D, pos, inv_freq_ptr, w_ptr, eps, q_out_ptr, D, ROT,
-                    NORM)
+    freq = tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=d < ROT, other=0.0)
+    angle = pos * freq
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    out = tl.where(d < half, x * c - xp * s, tl.where(d < ROT, x * c + xp * s, x))
     if j < H:
         tl.store(q_out_ptr + (b * H + j) * D + d, out.to(q_out_ptr.dtype.element_ty))
     else:

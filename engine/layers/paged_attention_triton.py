@@ -8,10 +8,6 @@ about two programs run per SM: a lone 4K-token sequence still spreads over the w
 2: one program per (sequence, query head, slice of the head dim) merges the splits and, for
 gated attention (Qwen3.5), multiplies by ``sigmoid(gate)``. Grid sizes depend only on the batch
 and the pool's maximum pages per sequence, so a step can be captured in a CUDA graph.
-
-``front_decode_attention_triton`` starts from the raw q/k/v projections instead: phase 1 also does
-the work of ``attention_triton``'s launch (q/k norm, RoPE, the step's K/V written into its page
-slot), using the step's own key and value from registers for the context's last token.
 """
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import norm_rope
 from .pdl import pdl_options, pdl_wait
 
 PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
@@ -63,16 +58,9 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
 
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                    stride_bt, num_splits, stride_q, kr_ptr, vr_ptr, stride_k, stride_v, pos_ptr, inv_freq_ptr,
-                    qw_ptr, kw_ptr, write_ptr, eps,
+                    stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
-                    FRONT: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """Program ``(b, kvh, s)``: split ``s`` of sequence ``b``'s context for the query heads of KV
-    head ``kvh``. ``FRONT``: ``q_ptr`` / ``kr_ptr`` / ``vr_ptr`` are the raw projections, and the
-    program does the front launch's work itself (``attention_triton``): q/k norm + RoPE of its
-    query heads and of the step's own key, which it uses for the context's last token in place of
-    the cache row; the split holding that token also writes the token's K/V into the pages."""
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,17 +73,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
     offs_d = tl.arange(0, D)
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
-    q_rows = q_ptr + b * stride_q + heads[:, None] * Q_HEAD_STRIDE
-    if FRONT:
-        pos = tl.load(pos_ptr + b).to(tl.float32)
-        q = norm_rope(q_rows, offs_d[None, :], gmask[:, None], pos, inv_freq_ptr, qw_ptr, eps, q_ptr, D, ROT, NORM)
-        q = q.to(k_ptr.dtype.element_ty)
-        k_rows = kr_ptr + b * stride_k + kvh * D + tl.zeros([1, 1], tl.int32)
-        k_new = norm_rope(k_rows, offs_d[None, :], offs_d[None, :] < D, pos, inv_freq_ptr, kw_ptr, eps, q_ptr, D,
-                          ROT, NORM).to(k_ptr.dtype.element_ty)  # [1, D]
-        v_new = tl.load(vr_ptr + b * stride_v + kvh * D + offs_d)[None, :].to(v_ptr.dtype.element_ty)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -106,10 +84,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
             tmask = t < ctx
             k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
             v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
-            if FRONT:  # the step's own token from registers: its row in the pages is written at the end
-                own = (t == ctx - 1)[:, None]
-                k = tl.where(own, k_new, k)
-                v = tl.where(own, v_new, v)
             # the next block's page-table reads go out with this block's K/V reads, not after them
             row = _pool_rows(bt_ptr + b * stride_bt, t + BLOCK_N, tl.minimum(stop, ctx), kvh, HKV, P)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK_N]
@@ -121,11 +95,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-    if FRONT:
-        if (start <= ctx - 1) & (ctx - 1 < stop):  # the split holding the step's token writes its K/V
-            new_row = tl.load(write_ptr + b).to(tl.int64) * HKV + kvh
-            tl.store(k_ptr + new_row * D + offs_d[None, :], k_new)
-            tl.store(v_ptr + new_row * D + offs_d[None, :], v_new)
     base = (b * H + heads) * num_splits + s
     tl.store(m_ptr + base, m_i, mask=gmask)
     tl.store(l_ptr + base, l_i, mask=gmask)
@@ -170,46 +139,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     overrides the launch choices (those of ``SHAPE_TILES`` for the shape, else the module's
     defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
     (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""
-    q = q.contiguous()
-    return _attend(q, q.shape[1], q.shape[2], q.stride(0), k_pages, v_pages, block_tables, context_lens, scale,
-                   gate, tiles, None)
-
-
-def front_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                                  inv_freq: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                                  zero_centered: bool, eps: float, write_index: torch.Tensor,
-                                  k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
-                                  context_lens: torch.Tensor, scale: float, num_heads: int, q_head_stride: int,
-                                  gate: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
-    """``attention_triton.decode_qkv_triton`` then ``paged_decode_attention_triton`` in two launches
-    instead of three: from the raw projections (arguments as ``decode_qkv_triton``'s), each split
-    program norms and rotates its query heads and the step's key itself; the split holding the
-    step's token writes its K/V at ``write_index`` (the token's row, at position
-    ``context_lens - 1``) -> ``[B, H, D]``, as the two launches give."""
-    b = q.shape[0]
-    _, _, hkv, d = k_pages.shape
-    rot = 2 * inv_freq.shape[0]
-    if rot > d or k.shape != (b, hkv * d) or v.shape != k.shape or any(t.stride(-1) != 1 for t in (q, k, v)):
-        raise ValueError(f"front decode attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"pages {tuple(k_pages.shape)}")
-    front = {"kr_ptr": k, "vr_ptr": v, "stride_k": k.stride(0), "stride_v": v.stride(0), "pos_ptr": positions,
-             "inv_freq_ptr": inv_freq, "qw_ptr": inv_freq if q_norm is None else q_norm,
-             "kw_ptr": inv_freq if k_norm is None else k_norm, "write_ptr": write_index, "eps": eps,
-             "ROT": rot, "NORM": 0 if q_norm is None else (2 if zero_centered else 1)}
-    return _attend(q, num_heads, q_head_stride, q.stride(0), k_pages, v_pages, block_tables, context_lens, scale,
-                   gate, tiles, front)
-
-
-def _attend(q, h, q_head_stride, stride_q, k_pages, v_pages, block_tables, context_lens, scale, gate, tiles,
-            front):
-    b = q.shape[0]
-    _, p, hkv, d = k_pages.shape
+    b, h, d = q.shape
+    _, p, hkv, _ = k_pages.shape
     t = dict(SHAPE_TILES.get((h, hkv, d), {}), **(tiles or {}))
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("paged attention kernel: head_dim must be a power of two and pages contiguous")
-    if gate is not None and (gate.shape != (b, h, d) or gate.stride(2) != 1):
-        raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for {b} x {h} heads "
-                         f"of {d}")
+    q = q.contiguous()
     block_tables = block_tables.contiguous()
     group = h // hkv
     g_pad = max(16, triton.next_power_of_2(group))
@@ -219,17 +154,15 @@ def _attend(q, h, q_head_stride, stride_q, k_pages, v_pages, block_tables, conte
     m = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
-    args = front or {"kr_ptr": q, "vr_ptr": q, "stride_k": 0, "stride_v": 0, "pos_ptr": context_lens,
-                     "inv_freq_ptr": m, "qw_ptr": q, "kw_ptr": q, "write_ptr": context_lens, "eps": 0.0,
-                     "ROT": 0, "NORM": 0}
     _partial_kernel[(b, hkv, num_splits)](
         q, k_pages, v_pages, block_tables, context_lens, m, l, acc, scale,
-        block_tables.stride(0), num_splits, stride_q, **args,
-        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, Q_HEAD_STRIDE=q_head_stride,
-        FRONT=front is not None, num_warps=t.get("num_warps", 4), num_stages=t.get("num_stages", 2),
-        **pdl_options(q),
+        block_tables.stride(0), num_splits,
+        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n,
+        num_warps=t.get("num_warps", 4), num_stages=t.get("num_stages", 2), **pdl_options(q),
     )
-    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for q {tuple(q.shape)}")
     block_d = min(d, t.get("REDUCE_BLOCK_D", REDUCE_BLOCK_D))
     _reduce_kernel[(b * h, d // block_d)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d, BLOCK_D=block_d,

@@ -176,13 +176,12 @@ def test_moe_norm_route_vs_unfused_kernels(shared, tokens, monkeypatch):
                          shared=shared)
 
 
-@pytest.mark.parametrize("front", [False, True])  # FRONT_IN_SPLITS
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
-def test_fused_attention_decode_vs_torch_path(kind, front, monkeypatch):
+def test_fused_attention_decode_vs_torch_path(kind, monkeypatch):
     if kind == "qwen3_5":
-        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, True, 1024, 24, 4, 256, 64, front)
+        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, True, 1024, 24, 4, 256, 64)
     else:
-        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, False, 1024, 32, 8, 128, 128, front)
+        check_attention_decode(monkeypatch, "cuda", torch.bfloat16, False, 1024, 32, 8, 128, 128)
 
 
 @pytest.mark.parametrize("tokens", [1, 8])

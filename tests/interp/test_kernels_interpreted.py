@@ -107,10 +107,9 @@ def test_norm_gemv(m, n, k, tiles):
     check_norm_gemv("cpu", torch.float32, m, n, k, tiles, 1e-5)
 
 
-@pytest.mark.parametrize("front", [False, True])  # the q/k norm + RoPE + K/V write in its own launch, or in the splits
 @pytest.mark.parametrize("qwen", [True, False])
-def test_attention_decode(qwen, front, monkeypatch):
-    check_attention_decode(monkeypatch, "cpu", torch.float32, qwen, 64, 4, 2, 32, 16 if qwen else 32, front)
+def test_attention_decode(qwen, monkeypatch):
+    check_attention_decode(monkeypatch, "cpu", torch.float32, qwen, 64, 4, 2, 32, 16 if qwen else 32)
 
 
 @pytest.mark.parametrize("v_heads, block_v", [(4, None), (4, 4), (6, 8)])  # one or several programs per head

@@ -46,9 +46,8 @@ def check_norm_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, til
 
 
 def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: bool, hidden: int,
-                           heads: int, kv_heads: int, head_dim: int, rotary_dim: int, front: bool = False) -> None:
-    """q/k norm + RoPE + K/V write kernel and the gated merge against the module's torch path;
-    ``front``: that first launch's work done by the attention's split programs."""
+                           heads: int, kv_heads: int, head_dim: int, rotary_dim: int) -> None:
+    """q/k norm + RoPE + K/V write kernel and the gated merge against the module's torch path."""
     from ninfer.engine.layers import attention
     from ninfer.engine.layers.attention import Attention
     from ninfer.engine.layers.rotary import RotaryEmbedding
@@ -75,7 +74,6 @@ def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: b
         batch = ForwardBatch(positions=positions, seq_lens=[1] * b, caches=[], decode=meta)
         with monkeypatch.context() as m:
             m.setattr(attention, "on_triton", lambda t: fused)
-            m.setattr(attention, "FRONT_IN_SPLITS", fused and front)
             return attn(hidden_states, batch), pools
 
     out, (k_new, v_new) = run(True)
