@@ -5,8 +5,11 @@ rows, state slots, context lengths, block tables); a step copies the real rows i
 pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
 the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
 ids, so a greedy decode step that follows with the same rows needs no token copy at all
-(``run(..., follow=True)``). Nothing in a replay syncs with the host; the caller reads the
-sampled tokens once.
+(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` the graph also leaves the next positions,
+context lengths and KV write rows in place (``decode_advance``), and such a step sends nothing
+when its staged inputs equal the host's picture of the device buffer (``_Picture``): every step
+but those where a sequence takes a new page. Nothing in a replay syncs with the host; the caller
+reads the sampled tokens once.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
+from .decode_advance import advance_reference, advance_triton
 from .models.base import CausalLM, DecodeMeta, ForwardBatch
 from .request import Request
 
@@ -24,6 +28,10 @@ log = logging.getLogger("ninfer.engine")
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 # the argmax inside the captured step, over its input ids (False: the sampler takes it after)
 GREEDY_IN_GRAPH = True
+# the step's positions, lengths and KV write rows advanced inside the captured step, so a greedy
+# step that follows may need no input copy; off until a GPU run has checked and timed it
+# (``bench.decode --set engine.cuda_graphs.ADVANCE_IN_GRAPH=True``)
+ADVANCE_IN_GRAPH = False
 
 
 def _layout(n: int, max_pages: int) -> tuple[int, int]:
@@ -40,7 +48,7 @@ def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, tor
 
 
 class _Stage:
-    """Pinned host copies of the static inputs, written row by row and sent in two copies.
+    """Pinned host copies of the static inputs, written row by row and sent in one copy.
 
     ``wide`` holds four int64 rows (token ids, positions, KV write rows, state slots), ``narrow``
     the int32 context lengths followed by the block tables; both are views of ``bytes``, laid out
@@ -89,6 +97,29 @@ class _Stage:
         self.rows = max(self.rows, n)
 
 
+class _Picture:
+    """What the device's input buffer holds, as far as the host knows: the bytes last sent, then
+    advanced as each replay advances them (``advance_reference``, the device kernel's twin). The
+    token ids row is never compared: after a replay it holds the argmax, unknown to the host."""
+
+    def __init__(self, n: int, max_pages: int, page_size: int) -> None:
+        self.n, self.max_pages, self.page_size = n, max_pages, page_size
+        self.bytes = torch.zeros(_layout(n, max_pages)[1], dtype=torch.uint8)
+        self.wide, self.narrow = _views(self.bytes, n, max_pages)
+        self.tables = self.narrow[n:].view(n, max_pages)
+
+    def holds(self, stage: _Stage, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` of the stage are what the device holds already."""
+        return torch.equal(self.bytes[start:end], stage.bytes[start:end])
+
+    def sent(self, stage: _Stage, start: int, end: int) -> None:
+        self.bytes[start:end] = stage.bytes[start:end]
+
+    def replayed(self, b: int) -> None:
+        """A replay of bucket ``b``'s graph advanced rows ``[0, b)``."""
+        advance_reference(self.wide[1, :b], self.narrow[:b], self.wide[2, :b], self.tables[:b], self.page_size)
+
+
 class CudaGraphDecoder:
     def __init__(self, model: CausalLM, caches: CacheManager, max_batch: int, max_context: int,
                  device: torch.device) -> None:
@@ -109,17 +140,25 @@ class CudaGraphDecoder:
         # two stages used in turn: a stage is rewritten only after the step that read it has run
         self._stages = [_Stage(n, self.max_pages, pad) for _ in range(2)]
         self._turn = 0
-        self._send(self._stages[0], n)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.greedy_in_graph = GREEDY_IN_GRAPH  # fixed at capture
+        self.greedy_in_graph = GREEDY_IN_GRAPH  # both fixed at capture
+        self.advance = ADVANCE_IN_GRAPH and self.greedy_in_graph
+        self._picture = _Picture(n, self.max_pages, caches.page_size) if self.advance else None
+        self._send(self._stages[0], n)
 
-    def _send(self, stage: _Stage, b: int, ids: bool = True) -> None:
+    def _send(self, stage: _Stage, b: int, ids: bool = True) -> bool:
         """One copy of the stage up to bucket ``b``'s block tables; without the token ids row
-        when the device already holds them."""
+        when the device already holds them, and none at all when it holds the rest too (as the
+        picture says). Returns whether a copy went."""
         wide, _ = _layout(self.max_batch, self.max_pages)
         start, end = 0 if ids else 8 * self.max_batch, wide + (self.max_batch + b * self.max_pages) * 4
+        if self._picture is not None:
+            if not ids and self._picture.holds(stage, start, end):
+                return False
+            self._picture.sent(stage, start, end)
         self.inputs[start:end].copy_(stage.bytes[start:end], non_blocking=True)
+        return True
 
     def _batch(self, b: int) -> ForwardBatch:
         meta = DecodeMeta(
@@ -138,15 +177,31 @@ class CudaGraphDecoder:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles / autotunes kernels outside the capture
                     self.model.compute_logits(self.model(self.input_ids[:b], batch))
+                if self.advance:  # compiled on the very buffers (same alignment), then put back
+                    saved = self.inputs.clone()
+                    self._advance(b)
+                    self.inputs.copy_(saved)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model.compute_logits(self.model(self.input_ids[:b], batch))
                 if self.greedy_in_graph:  # the embedding has read the ids: the greedy tokens take their place
                     torch.argmax(logits, dim=-1, out=self.input_ids[:b])
+                if self.advance:
+                    self._advance(b)
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _advance(self, b: int) -> None:
+        advance_triton(self.positions[:b], self.context_lens[:b], self.write_index[:b], self.block_tables[:b],
+                       self.caches.page_size)
+
+    def replay(self, b: int) -> None:
+        """Bucket ``b``'s graph once more on the inputs it holds (timing), the picture kept true."""
+        self.graphs[b][0].replay()
+        if self._picture is not None:
+            self._picture.replayed(b)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -171,6 +226,5 @@ class CudaGraphDecoder:
         self._send(stage, b, ids=not follow)
         if ids is not None and not follow:
             self.input_ids[:n].copy_(ids)
-        graph, logits = self.graphs[b]
-        graph.replay()
-        return logits[:n], (self.input_ids[:n] if self.greedy_in_graph else None)
+        self.replay(b)
+        return self.graphs[b][1][:n], (self.input_ids[:n] if self.greedy_in_graph else None)

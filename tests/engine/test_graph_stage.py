@@ -70,3 +70,44 @@ def test_a_token_not_yet_read_is_left_for_the_device():
     ahead.cache.num_tokens = 6
     stage.fill([ahead], PAGE)
     assert rows(stage, 1)[0][0] == [0, 6, 3 * PAGE + 2, 0]
+
+
+def test_picture_spares_the_copy_only_while_the_device_holds_the_inputs():
+    """With the inputs advanced inside the graph, a greedy step that follows sends nothing while
+    its staged rows equal what the device holds; a new page, a new member or a fresh picture after
+    a different stage sends."""
+    from ninfer.engine.cuda_graphs import _layout, _Picture
+
+    n, max_pages = 2, 4
+    picture = _Picture(n, max_pages, PAGE)
+    start, end = 8 * n, _layout(n, max_pages)[0] + (n + 1 * max_pages) * 4  # no ids row, bucket 1
+    stage = _Stage(n, max_pages, PAD)
+    a = request(5, [2, 3], 0)
+    stage.fill([a], PAGE)
+    assert not picture.holds(stage, start, end)
+    picture.sent(stage, start, end)
+    picture.replayed(1)  # position 5 -> 6, still in page 3
+
+    def step(req):
+        req.cache.num_tokens += 1
+        req.num_computed += 1
+        req.num_tokens += 1
+        stage.fill([req], PAGE)
+
+    step(a)
+    assert picture.holds(stage, start, end)
+    picture.replayed(1)
+    step(a)  # position 7, the last row of page 3
+    assert picture.holds(stage, start, end)
+    picture.replayed(1)
+    a.cache.pages = [2, 3, 6]  # position 8 takes a new page: its table row changes
+    step(a)
+    assert not picture.holds(stage, start, end)
+    picture.sent(stage, start, end)
+    picture.replayed(1)
+    step(a)
+    assert picture.holds(stage, start, end)
+    picture.replayed(1)
+    b = request(9, [4, 5, 7], 1)  # another sequence in row 0
+    stage.fill([b], PAGE)
+    assert not picture.holds(stage, start, end)

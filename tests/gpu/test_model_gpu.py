@@ -80,20 +80,30 @@ def test_greedy_batch_invariance_with_cuda_graphs(ckpt, monkeypatch):
     assert together == alone
 
 
+@pytest.mark.parametrize("advance", [False, True])  # cuda_graphs.ADVANCE_IN_GRAPH
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
-def test_overlapped_graph_decode_keeps_every_output(name, tmp_path_factory):
+def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_factory, monkeypatch):
     """The overlap scenario on the GPU: graph replays launched from device-side tokens (pinned
-    staging, bucket padding rows that come and go) give what eager decode without overlap gives."""
+    staging, bucket padding rows that come and go; ``advance``: positions, lengths and write rows
+    advanced inside the graph, steps that send no inputs) give what eager decode without overlap
+    gives."""
     from support.overlap import check_scenario, drive, scenario
+
+    from ninfer.engine import cuda_graphs
 
     ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
     parts = (load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer)
     specs, kw = scenario(parts, device="cuda", cuda_graphs=False)
     plain, _ = drive(parts, False, specs, **kw)
+    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", advance)
+    sends = []
+    send = cuda_graphs.CudaGraphDecoder._send
+    monkeypatch.setattr(cuda_graphs.CudaGraphDecoder, "_send", lambda *a, **k: sends.append(send(*a, **k)) or sends[-1])
     overlapped, ahead = drive(parts, True, specs, **{**kw, "cuda_graphs": True})
     assert ahead >= 5
     assert overlapped == plain
     check_scenario(plain, specs)
+    assert (False in sends) == advance  # steps without any input copy, only when advanced in the graph
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])

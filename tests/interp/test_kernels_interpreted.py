@@ -144,6 +144,34 @@ def test_moe_norm_route(tokens, shared, tiles, monkeypatch):
                          shared=shared, tiles=tiles)
 
 
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_decode_advance(n):
+    """The inputs a captured step leaves for the next one: the kernel against its host twin, with
+    padding rows (position 0), rows crossing into their next page, and rows past their table."""
+    from ninfer.engine.decode_advance import advance_reference, advance_triton
+
+    page, max_pages = 4, 6
+    positions = torch.randint(1, page * max_pages, (n,))
+    if n > 1:
+        positions[::3] = 0  # padding
+        positions[1] = page * max_pages - 1  # its next position is past its table row
+        positions[-1] = 2 * page - 1  # its next position starts a new page
+    lens = torch.where(positions > 0, positions + 1, 1).int()
+    write = torch.randint(0, 1000, (n,))
+    tables = torch.randint(0, 50, (n, max_pages)).int()
+    mine = [positions.clone(), lens.clone(), write.clone(), tables.clone()]
+    ref = [positions.clone(), lens.clone(), write.clone(), tables.clone()]
+    advance_triton(*mine, page)
+    advance_reference(*ref, page)
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b)
+    real = positions > 0
+    assert torch.equal(ref[0], torch.where(real, positions + 1, positions))
+    if n > 1:
+        assert ref[2][1] == write[1]  # past the table: the write row stays for the host to replace
+        assert ref[2][-1] == tables[-1, 2] * page  # first row of the next page
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, monkeypatch):
     """Tiny models decoding greedily through every fused decode kernel give the tokens the
