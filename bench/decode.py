@@ -340,6 +340,19 @@ def apply_settings(specs: list[str]) -> list[str]:
     return lines
 
 
+def start_on_gpu(parser: argparse.ArgumentParser, specs: list[str]) -> None:
+    """Apply ``--set`` specs and print them, or stop with the parser's error (a bad spec, no
+    CUDA GPU) before anything is built."""
+    try:
+        settings = apply_settings(specs)
+    except ValueError as e:
+        parser.error(str(e))
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    if settings:
+        print("settings: " + ", ".join(settings), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", action="append", required=True, choices=sorted(SHAPES))
@@ -356,14 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="replace a module-level setting first, e.g. engine.layers.paged_attention_triton.MAX_SPLITS=32")
     args = p.parse_args(argv)
-    try:
-        settings = apply_settings(args.set)
-    except ValueError as e:
-        p.error(str(e))
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
-    if settings:
-        print("settings: " + ", ".join(settings), flush=True)
+    start_on_gpu(p, args.set)
     if args.gemv == "off":
         from ninfer.engine.layers import fused_linear
 

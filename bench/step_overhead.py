@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .decode import _engine, _requests, _sync, apply_settings
+from .decode import _engine, _requests, _sync, start_on_gpu
 from .shapes import SHAPES, shape_config
 
 
@@ -77,14 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = p.parse_args(argv)
-    try:
-        settings = apply_settings(args.set)
-    except ValueError as e:
-        p.error(str(e))
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
-    if settings:
-        print("settings: " + ", ".join(settings), flush=True)
+    start_on_gpu(p, args.set)
     cfg = shape_config(args.shape)
     engine = _engine(cfg, args.batch, args.context, 2 * args.repeats + 64, 16)
     if engine.runner.graphs is None:
