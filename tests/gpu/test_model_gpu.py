@@ -80,6 +80,21 @@ def test_greedy_batch_invariance_with_cuda_graphs(ckpt, monkeypatch):
     assert together == alone
 
 
+def test_inputs_advanced_in_the_graph_give_the_same_tokens(ckpt, monkeypatch):
+    """With ``cuda_graphs.ADVANCE_IN_GRAPH`` the greedy steps that follow one another send no
+    inputs unless a sequence takes a new page, and every request gets the tokens it gets without."""
+    from ninfer.engine import cuda_graphs
+
+    model = load_model(ckpt, "cuda", torch.float32)
+    plain = _greedy(model, ckpt.tokenizer, tuple(range(8)))
+    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", True)
+    sends = []
+    send = cuda_graphs.CudaGraphDecoder._send
+    monkeypatch.setattr(cuda_graphs.CudaGraphDecoder, "_send", lambda *a, **k: sends.append(send(*a, **k)) or sends[-1])
+    assert _greedy(model, ckpt.tokenizer, tuple(range(8))) == plain
+    assert sends.count(False) >= 5 and sends.count(True) >= 5  # steps without a copy, and pages taken
+
+
 @pytest.mark.parametrize("advance", [False, True])  # cuda_graphs.ADVANCE_IN_GRAPH
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
 def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_factory, monkeypatch):
@@ -103,7 +118,7 @@ def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_fact
     assert ahead >= 5
     assert overlapped == plain
     check_scenario(plain, specs)
-    assert (False in sends) == advance  # steps without any input copy, only when advanced in the graph
+    assert all(sends) if not advance else sends  # without the advance every step sends its inputs
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
