@@ -28,7 +28,7 @@ import torch
 
 from ninfer.engine.layers import pdl
 
-from .gpu_env import measure_ceilings
+from .gpu_env import back_to_back_ms, measure_ceilings
 from .shapes import SHAPES, shape_config
 
 DTYPE = torch.bfloat16
@@ -126,14 +126,8 @@ def _graph_ms(engine, reqs) -> float | None:
         if not engine.caches.reserve(r.cache, r.num_computed + 1):
             return None
     graphs.run(reqs)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     b = graphs.bucket(len(reqs))
-    start.record()
-    for _ in range(20):
-        graphs.replay(b)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 20
+    return back_to_back_ms(lambda: graphs.replay(b), 20, warm=0)
 
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,

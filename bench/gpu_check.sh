@@ -6,9 +6,9 @@
 # the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
 # then in its two forms) or "ab" (decode steps with and without an open launch choice, through
 # bench.decode --set: the 35B-A3B router read after the PDL wait, its inputs advanced inside the
-# graph, its greedy argmax taken after the graph rather than in it, the 27B without its own attention choices), so a machine that
-# limits one command's time can take the run in several calls; "all" runs neither tuning part nor
-# "pdl" nor "ab".
+# graph, its greedy argmax taken after the graph rather than in it; the 27B without its own
+# attention choices), so a machine that limits one command's time can take the run in several
+# calls; "all" runs neither tuning part nor "pdl" nor "ab".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.

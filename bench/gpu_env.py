@@ -18,6 +18,21 @@ def _time_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def back_to_back_ms(fn, repeats: int, warm: int = 3) -> float:
+    """GPU time per call of ``fn`` run ``repeats`` times back to back (one pair of events around
+    them all, so launch gaps count but the host never waits between calls), after ``warm`` calls."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def graph_time_us(fn, calls: int, reps: int = 10) -> float:
     """GPU time of one call of ``fn(i)``: ``fn(0) .. fn(calls - 1)`` (each on its own copy of the
     data, so the reads come from HBM rather than L2) captured in a CUDA graph, so no Python launch

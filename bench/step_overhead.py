@@ -16,20 +16,8 @@ import time
 import torch
 
 from .decode import _engine, _requests, _sync, start_on_gpu
+from .gpu_env import back_to_back_ms
 from .shapes import SHAPES, shape_config
-
-
-def _per_step_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    _sync()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def measure(engine, reqs, repeats: int) -> list[tuple[str, float]]:
@@ -59,7 +47,7 @@ def measure(engine, reqs, repeats: int) -> list[tuple[str, float]]:
             ("+ token ids copied on the device", lambda: graphs.run(reqs, ids)),
             ("follow + read-back to pinned memory + event", step_follow),
             ("follow + a second argmax + read-back + event", step_separate_argmax)]
-    out = [(name, _per_step_ms(fn, repeats)) for name, fn in rows]
+    out = [(name, back_to_back_ms(fn, repeats)) for name, fn in rows]
     _sync()
     t0 = time.perf_counter()
     for _ in range(repeats):

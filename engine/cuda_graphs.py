@@ -41,10 +41,12 @@ def _layout(n: int, max_pages: int) -> tuple[int, int]:
     return wide, wide + (n + n * max_pages) * 4
 
 
-def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``[4, n]`` int64 rows and the int32 lengths + tables of an input buffer (bytes)."""
+def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``[4, n]`` int64 rows, the int32 lengths + tables, and the tables ``[n, max_pages]``
+    of an input buffer (bytes)."""
     wide, _ = _layout(n, max_pages)
-    return buf[:wide].view(torch.long).view(4, n), buf[wide:].view(torch.int32)
+    narrow = buf[wide:].view(torch.int32)
+    return buf[:wide].view(torch.long).view(4, n), narrow, narrow[n:].view(n, max_pages)
 
 
 class _Stage:
@@ -58,8 +60,7 @@ class _Stage:
         self.n, self.max_pages, self.pad = n, max_pages, pad
         pin = torch.cuda.is_available()  # pinned, so the copies are truly asynchronous
         self.bytes = torch.zeros(_layout(n, max_pages)[1], dtype=torch.uint8, pin_memory=pin)
-        self.wide, self.narrow = _views(self.bytes, n, max_pages)
-        self.tables = self.narrow[n:].view(n, max_pages)
+        self.wide, self.narrow, self.tables = _views(self.bytes, n, max_pages)
         self.keys: list[tuple[object, int] | None] = [None] * n  # (cache, pages) each table row holds
         self.rows = n
         self.clear(0)
@@ -103,10 +104,9 @@ class _Picture:
     token ids row is never compared: after a replay it holds the argmax, unknown to the host."""
 
     def __init__(self, n: int, max_pages: int, page_size: int) -> None:
-        self.n, self.max_pages, self.page_size = n, max_pages, page_size
+        self.page_size = page_size
         self.bytes = torch.zeros(_layout(n, max_pages)[1], dtype=torch.uint8)
-        self.wide, self.narrow = _views(self.bytes, n, max_pages)
-        self.tables = self.narrow[n:].view(n, max_pages)
+        self.wide, self.narrow, self.tables = _views(self.bytes, n, max_pages)
 
     def holds(self, stage: _Stage, start: int, end: int) -> bool:
         """Whether bytes ``[start, end)`` of the stage are what the device holds already."""
@@ -131,10 +131,9 @@ class CudaGraphDecoder:
         self.pad_page, self.pad_slot = caches.reserve_padding()
         n = self.max_batch = max_batch
         self.inputs = torch.zeros(_layout(n, self.max_pages)[1], dtype=torch.uint8, device=device)
-        self.wide, self.narrow = _views(self.inputs, n, self.max_pages)
+        self.wide, self.narrow, self.block_tables = _views(self.inputs, n, self.max_pages)
         self.input_ids, self.positions, self.write_index, self.slot_ids = self.wide.unbind(0)
         self.context_lens = self.narrow[:n]
-        self.block_tables = self.narrow[n:].view(n, self.max_pages)
         page = max(self.pad_page, 0)
         pad = (page, page * caches.page_size, max(self.pad_slot, 0))
         # two stages used in turn: a stage is rewritten only after the step that read it has run
