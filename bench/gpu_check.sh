@@ -5,10 +5,10 @@
 # bench.gdn_tune, bench.attention_tune), "gemv" (bench.gemv_tune at two shapes, plain and with
 # the norm in front) or "pdl" (the 35B-A3B batch-1 step with programmatic dependent launch off,
 # then in its two forms) or "ab" (decode steps with and without an open launch choice, through
-# bench.decode --set: the 35B-A3B router read after the PDL wait, its inputs advanced inside the
-# graph, its greedy argmax taken after the graph rather than in it; the 27B without its own
-# attention choices), so a machine that limits one command's time can take the run in several
-# calls; "all" runs neither tuning part nor "pdl" nor "ab".
+# bench.decode --set: the 35B-A3B router read after the PDL wait, its inputs sent by the host
+# rather than advanced in the graph, its greedy argmax taken after the graph rather than in it;
+# the 27B without its own attention choices), so a machine that limits one command's time can
+# take the run in several calls; "all" runs neither tuning part nor "pdl" nor "ab".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -67,8 +67,8 @@ if [ "$parts" = ab ]; then
     run ab-35b "$py" -m bench.decode $moe --json "$out/ab-35b.json"
     run ab-35b-router-after-wait "$py" -m bench.decode $moe --json "$out/ab-35b-router-after-wait.json" \
         --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False
-    run ab-35b-advance-in-graph "$py" -m bench.decode $moe --json "$out/ab-35b-advance-in-graph.json" \
-        --set engine.cuda_graphs.ADVANCE_IN_GRAPH=True
+    run ab-35b-advance-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-advance-after-graph.json" \
+        --set engine.cuda_graphs.ADVANCE_IN_GRAPH=False
     run ab-35b-argmax-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-argmax-after-graph.json" \
         --set engine.cuda_graphs.GREEDY_IN_GRAPH=False
     dense="--shape qwen3.5-27b --batches 1,8 --prefill 512 --steps 16 --no-hf"

@@ -5,7 +5,7 @@ rows, state slots, context lengths, block tables); a step copies the real rows i
 pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
 the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
 ids, so a greedy decode step that follows with the same rows needs no token copy at all
-(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` the graph also leaves the next positions,
+(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` (the default) the graph also leaves the next positions,
 context lengths and KV write rows in place (``decode_advance``), and such a step sends nothing
 when its staged inputs equal the host's picture of the device buffer (``_Picture``): every step
 but those where a sequence takes a new page. Nothing in a replay syncs with the host; the caller
@@ -29,9 +29,9 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 # the argmax inside the captured step, over its input ids (False: the sampler takes it after)
 GREEDY_IN_GRAPH = True
 # the step's positions, lengths and KV write rows advanced inside the captured step, so a greedy
-# step that follows may need no input copy; off until a GPU run has checked and timed it
-# (``bench.decode --set engine.cuda_graphs.ADVANCE_IN_GRAPH=True``)
-ADVANCE_IN_GRAPH = False
+# step that follows may need no input copy (H200, 35B-A3B batch 1: 2.41 ms per step against 2.43
+# without, bench/RESULTS.md; ``bench.decode --set engine.cuda_graphs.ADVANCE_IN_GRAPH=False``)
+ADVANCE_IN_GRAPH = True
 
 
 def _layout(n: int, max_pages: int) -> tuple[int, int]:

@@ -86,6 +86,7 @@ def test_inputs_advanced_in_the_graph_give_the_same_tokens(ckpt, monkeypatch):
     from ninfer.engine import cuda_graphs
 
     model = load_model(ckpt, "cuda", torch.float32)
+    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", False)
     plain = _greedy(model, ckpt.tokenizer, tuple(range(8)))
     monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", True)
     sends = []
