@@ -67,7 +67,7 @@ if [ "$parts" = ab ]; then
     run ab-35b "$py" -m bench.decode $moe --json "$out/ab-35b.json"
     run ab-35b-router-after-wait "$py" -m bench.decode $moe --json "$out/ab-35b-router-after-wait.json" \
         --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False
-    run ab-35b-advance-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-advance-after-graph.json" \
+    run ab-35b-inputs-from-host "$py" -m bench.decode $moe --json "$out/ab-35b-inputs-from-host.json" \
         --set engine.cuda_graphs.ADVANCE_IN_GRAPH=False
     run ab-35b-argmax-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-argmax-after-graph.json" \
         --set engine.cuda_graphs.GREEDY_IN_GRAPH=False

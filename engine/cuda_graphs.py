@@ -5,11 +5,11 @@ rows, state slots, context lengths, block tables); a step copies the real rows i
 pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
 the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
 ids, so a greedy decode step that follows with the same rows needs no token copy at all
-(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` (the default) the graph also leaves the next positions,
-context lengths and KV write rows in place (``decode_advance``), and such a step sends nothing
-when its staged inputs equal the host's picture of the device buffer (``_Picture``): every step
-but those where a sequence takes a new page. Nothing in a replay syncs with the host; the caller
-reads the sampled tokens once.
+(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` (the default) the graph also leaves the
+next positions, context lengths and KV write rows in place (``decode_advance``), and such a step
+sends nothing when its staged inputs equal the host's picture of the device buffer
+(``_Picture``): every step but those where a sequence takes a new page. Nothing in a replay
+syncs with the host; the caller reads the sampled tokens once.
 """
 from __future__ import annotations
 
