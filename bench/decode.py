@@ -27,6 +27,7 @@ import time
 import torch
 
 from ninfer.engine.layers import pdl
+from ninfer.engine.request import Status
 
 from .gpu_env import back_to_back_ms, measure_ceilings
 from .shapes import SHAPES, shape_config
@@ -35,11 +36,14 @@ DTYPE = torch.bfloat16
 
 
 class NullTokenizer:
-    """Token ids only: the bench measures the engine, not text."""
+    """Token ids only: the bench measures the engine, not text; every id of the model's
+    vocabulary decodes (to nothing)."""
 
     bos_token = eos_token = None
     bos_token_id = eos_token_id = None
-    vocab_size = 0
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
 
     def encode(self, text):
         return []
@@ -99,14 +103,17 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     model = build_model(cfg, dtype=dtype, device=device)
     randomize_(model)
     fuse_model_projections(model)
-    max_ctx = max(context + steps + 96, prefill_max + 16)
+    out = steps + max_batch  # a request also decodes while the later ones are prefilled
+    max_ctx = max(context + out + 96, prefill_max + 16)
     ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch, prefill_chunk=max(prefill_max, 2048),
-                        kv_capacity=max_batch * (context + steps + 32) + max_ctx, page_size=16,
+                        kv_capacity=max_batch * (context + out + 32) + max_ctx, page_size=16,
                         host_cache_mib=0, device=device, dtype=dtype)
-    return LLMEngine(model, NullTokenizer(), ecfg)
+    return LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
 
 
 def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str, limit: int):
+    """``n`` greedy requests of random prompts. Decoding ones need ``max_tokens`` >= the steps
+    timed plus ``n``: the first decodes while the later ones are prefilled, one prompt a step."""
     from ninfer.engine.request import Request
     from ninfer.engine.sampling_params import SamplingParams
 
@@ -130,25 +137,35 @@ def _graph_ms(engine, reqs) -> float | None:
     return back_to_back_ms(lambda: graphs.replay(b), 20, warm=0)
 
 
+def decode_step_s(engine, reqs, steps: int) -> float:
+    """Seconds per ``engine.step()`` while every request of ``reqs`` decodes: they are added and
+    prefilled, two steps warm up, then ``steps`` steps are timed (the requests are left running)."""
+    for r in reqs:
+        engine.add_request(r)
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    dt = (time.perf_counter() - t0) / steps
+    stopped = [r.request_id for r in reqs if r.status is not Status.DECODE]
+    if stopped:  # a step of fewer sequences than asked for would be timed as one of b
+        raise RuntimeError(f"{len(stopped)} of {len(reqs)} requests stopped decoding during the timed steps")
+    return dt
+
+
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
                device: str = "cuda") -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
     engine = _engine(cfg, max(batches), context, steps, max(prefills), device)
     out: dict = {"decode": {}, "prefill": {}}
     for b in batches:
-        reqs = _requests(b, context, steps + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
-        for r in reqs:
-            engine.add_request(r)
-        while any(not r.output_ids for r in reqs):
-            engine.step()
-        for _ in range(2):
-            engine.step()
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync()
-        dt = (time.perf_counter() - t0) / steps
+        reqs = _requests(b, context, steps + b + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
+        dt = decode_step_s(engine, reqs, steps)
         graph_ms = _graph_ms(engine, reqs)
         for r in reqs:
             engine.abort(r.request_id)

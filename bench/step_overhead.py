@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine(cfg, args.batch, args.context, 2 * args.repeats + 64, 16)
     if engine.runner.graphs is None:
         p.error("the engine captured no CUDA graphs")
-    reqs = _requests(args.batch, args.context, 2 * args.repeats + 64, cfg.vocab_size, "o", engine.config.max_context)
+    reqs = _requests(args.batch, args.context, 2 * args.repeats + args.batch + 64, cfg.vocab_size, "o",
+                     engine.config.max_context)
     for r in reqs:
         engine.add_request(r)
     while any(len(r.output_ids) < 3 for r in reqs):

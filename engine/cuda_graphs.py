@@ -22,6 +22,7 @@ from .cache.manager import CacheManager
 from .decode_advance import advance_reference, advance_triton
 from .models.base import CausalLM, DecodeMeta, ForwardBatch
 from .request import Request
+from .runner import sampled_logits
 
 log = logging.getLogger("ninfer.engine")
 
@@ -122,8 +123,9 @@ class _Picture:
 
 class CudaGraphDecoder:
     def __init__(self, model: CausalLM, caches: CacheManager, max_batch: int, max_context: int,
-                 device: torch.device) -> None:
+                 device: torch.device, vocab: int | None = None) -> None:
         self.model = model
+        self.vocab = vocab  # the logits' first columns the step samples from (runner.sampled_logits)
         self.caches = caches
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -175,7 +177,7 @@ class CudaGraphDecoder:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles / autotunes kernels outside the capture
-                    self.model.compute_logits(self.model(self.input_ids[:b], batch))
+                    sampled_logits(self.model, self.model(self.input_ids[:b], batch), self.vocab)
                 if self.advance:  # compiled on the very buffers (same alignment), then put back
                     saved = self.inputs.clone()
                     self._advance(b)
@@ -183,7 +185,7 @@ class CudaGraphDecoder:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.compute_logits(self.model(self.input_ids[:b], batch))
+                logits = sampled_logits(self.model, self.model(self.input_ids[:b], batch), self.vocab)
                 if self.greedy_in_graph:  # the embedding has read the ids: the greedy tokens take their place
                     torch.argmax(logits, dim=-1, out=self.input_ids[:b])
                 if self.advance:
@@ -211,7 +213,7 @@ class CudaGraphDecoder:
 
     def run(self, reqs: list[Request], ids: torch.Tensor | None = None,
             follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[len(reqs), V]`` for one decode token of each request (caches not advanced),
+        """Logits ``[len(reqs), vocab]`` for one decode token of each request (caches not advanced),
         and their argmax (a view of the input ids, valid until the next step) or None when the
         graph does not take it. The input tokens are the requests' next uncomputed ones, or
         ``ids`` (on the device); ``follow``: they are the greedy tokens of the replay just before,

@@ -6,7 +6,9 @@ finish) -> publish ``RequestOutput`` objects.
 """
 from __future__ import annotations
 
+import logging
 import time
+import traceback
 
 import torch
 
@@ -24,13 +26,19 @@ from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
 from .stats import EngineCounters
 
+log = logging.getLogger("ninfer.engine")
+
 
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        config.check_for_model(model.config)
         self.device = torch.device(config.device)
+        # ids both the tokenizer decodes and the model embeds: prompts must stay below it, and
+        # sampling never leaves it (a checkpoint's vocab_size may pad past its tokenizer's ids)
+        self.token_limit = min(tokenizer.vocab_size, model.config.vocab_size)
         num_pages = plan_kv_pages(model.config, config)
         graphs = config.cuda_graphs and self.device.type == "cuda"
         # captured decode graphs keep one page and one slot for their padding rows
@@ -38,7 +46,7 @@ class LLMEngine:
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
-        self.runner = ModelRunner(model, self.device, self.caches, config.batched_decode)
+        self.runner = ModelRunner(model, self.device, self.caches, config.batched_decode, self.token_limit)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
@@ -53,6 +61,10 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(request.prompt_ids)} tokens, the context limit is {request.max_total_tokens}"
             )
+        ids, limit = request.prompt_ids, self.token_limit
+        if min(ids) < 0 or max(ids) >= limit:  # builtins: a long prompt costs the engine thread little
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < limit)
+            raise ValueError(f"prompt token at {bad} is out of range [0, {limit})")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.generator = make_generator(request.params, self.device)
@@ -143,8 +155,21 @@ class LLMEngine:
                     continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            outputs.append(self._append_token(req, token))
+            try:
+                outputs.append(self._append_token(req, token))
+            except Exception as exc:  # noqa: BLE001 - this request's own text handling: it alone ends
+                outputs.append(self._fail(req, exc))
         return outputs
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        """End one request whose output handling (detokenizing, stop strings, thinking budget)
+        raised; the engine and every other request go on. The log names the request and where it
+        failed, never the exception's message (it may quote the request's text)."""
+        log.error("request %s failed in postprocessing (%s):\n%s", req.request_id, type(exc).__name__,
+                  "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        req.error_code = "internal_error"
+        return self._finish(req, FinishReason.ERROR, None, "",
+                            error=f"the server failed to process this request's output ({type(exc).__name__})")
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         params = req.params

@@ -5,6 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ModelConfig
+from .layers.fused_linear import MAX_TENSOR_ELEMENTS
+
+# fla-core's chunked Gated DeltaNet keeps one [K, V] state per head for every chunk of this many tokens
+GDN_CHUNK = 64
+
 
 @dataclass
 class EngineConfig:
@@ -37,3 +43,31 @@ class EngineConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def check_for_model(self, model: ModelConfig) -> None:
+        """Settings that depend on the model's shape; a ValueError names the flag and the
+        largest value that works."""
+        limit = max_prefill_chunk(model)
+        if self.prefill_chunk > limit:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} is too long for this model: a chunk's "
+                             f"widest tensor would reach 2^31 elements; the largest that works is {limit} "
+                             f"(--prefill-chunk)")
+
+
+def max_prefill_chunk(model: ModelConfig) -> int:
+    """The most prompt tokens one step can run: every tensor that spans the whole chunk stays
+    under ``MAX_TENSOR_ELEMENTS`` (cuBLAS and the Triton kernels index with 32 bits). The MLP's
+    intermediate runs on row blocks (``GatedMLP``); the widest left per token are the hidden
+    state, the query projection (with its gates where attention is gated), the Gated DeltaNet's
+    projections (Qwen3-Next's fused q/k/v/z; Qwen3.5's parts come out one by one past
+    ``fused_linear.SPLIT_ROWS``) and its chunked kernel's per-chunk states. 174,762 tokens for
+    the 27B, whose gated queries are 12,288 wide."""
+    gated = model.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    widths = [model.hidden_size, model.num_attention_heads * model.head_dim * (2 if gated else 1)]
+    if model.is_hybrid:
+        key_dim = model.linear_num_key_heads * model.linear_key_head_dim
+        value_dim = model.linear_num_value_heads * model.linear_value_head_dim
+        widths.append(2 * key_dim + 2 * value_dim if model.family == "qwen3_next" else max(key_dim, value_dim))
+        state = model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim
+        widths.append(state // GDN_CHUNK)
+    return MAX_TENSOR_ELEMENTS // max(widths)

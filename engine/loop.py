@@ -101,6 +101,13 @@ class EngineLoop:
             except ValueError as exc:
                 sink(RequestOutput(arg.request_id, finished=True, finish_reason="error", error=str(exc)))
                 return
+            except Exception as exc:  # noqa: BLE001 - a request that cannot be taken fails alone
+                log.error("request %s could not be added (%s):\n%s", arg.request_id, type(exc).__name__,
+                          "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+                sink(RequestOutput(arg.request_id, finished=True, finish_reason="error",
+                                   error=f"the server failed to take this request ({type(exc).__name__})",
+                                   error_code="internal_error"))
+                return
             self._sinks[arg.request_id] = sink
         elif kind == "abort":
             out = self.engine.abort(arg)

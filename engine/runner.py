@@ -57,10 +57,13 @@ class Launched:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, caches: CacheManager | None = None,
-                 batched_decode: bool | None = None) -> None:
+                 batched_decode: bool | None = None, vocab: int | None = None) -> None:
         self.model = model
         self.device = device
         self.caches = caches
+        # ids the sampler may pick: the first ``vocab`` logits (a checkpoint's LM head may have
+        # rows past its tokenizer's last id; None = every row)
+        self.vocab = vocab
         self.batched_decode = (device.type == "cuda") if batched_decode is None else batched_decode
         self.graphs = None  # CudaGraphDecoder, when captured
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
@@ -69,7 +72,7 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
 
-        self.graphs = CudaGraphDecoder(self.model, self.caches, max_batch, max_context, self.device)
+        self.graphs = CudaGraphDecoder(self.model, self.caches, max_batch, max_context, self.device, self.vocab)
         self.graphs.capture()
 
     def execute(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
@@ -136,7 +139,7 @@ class ModelRunner:
             if ids is None:
                 ids = torch.tensor([r.token_at(r.num_computed) for r in reqs], dtype=torch.long, device=self.device)
             batch = ForwardBatch(positions=positions, seq_lens=[1] * len(reqs), caches=[], decode=meta)
-            logits = self.model.compute_logits(self.model(ids, batch))
+            logits = sampled_logits(self.model, self.model(ids, batch), self.vocab)
         for r in reqs:
             r.cache.num_tokens += 1
         return logits, greedy
@@ -159,4 +162,12 @@ class ModelRunner:
             if req.num_computed == req.num_tokens:  # everything known is computed: sample
                 rows.append(end - 1)
                 ready.append(req)
-        return ready, (self.model.compute_logits(hidden[rows]) if rows else None)
+        return ready, (sampled_logits(self.model, hidden[rows], self.vocab) if rows else None)
+
+
+def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """The logits ``[n, vocab]`` tokens are chosen from: the LM head's first ``vocab`` columns, a
+    view (no copy), so no sampling path, the greedy argmax in a captured graph included, can
+    pick an id the tokenizer cannot decode."""
+    logits = model.compute_logits(hidden)
+    return logits if vocab is None or logits.shape[-1] <= vocab else logits[:, :vocab]

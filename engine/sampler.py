@@ -39,8 +39,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p and min-p."""
-    logits = logits.float() / params.temperature
+    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p and min-p.
+
+    Whatever the values (a temperature or penalty so small that the logits overflow, a top_p that
+    rounds to 0 in fp32), the most likely token keeps a probability: a NaN or empty distribution
+    would fail the whole engine step."""
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    top = logits.max()
+    logits = torch.where(logits == top, 0.0, (logits - top) / params.temperature)  # the best at 0, none +inf
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,7 +56,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p * sorted_probs.sum(), 0.0)
+        drop = before >= params.top_p * sorted_probs.sum()
+        drop[0] = False  # the nucleus holds at least the most likely token
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum()
 

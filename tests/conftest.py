@@ -8,6 +8,9 @@ import torch
 
 # Triton's interpreter pass (launchers/test.sh) runs tests/interp alone; the main pass leaves it out.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interp"]
+# Servers started through launchers/serve.sh keep the set-up the tests run in: on an NVIDIA machine
+# too, no test starts the GPU path's install (a CUDA torch, fla-core) in the tests' .venv.
+os.environ.setdefault("NINFER_GPU", "0")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

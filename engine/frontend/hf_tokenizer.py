@@ -20,6 +20,7 @@ class HFTokenizer(Tokenizer):
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._max_token_bytes = max_token_bytes(json.loads(backend.to_str()))  # once, not on a request
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "HFTokenizer":
@@ -37,7 +38,9 @@ class HFTokenizer(Tokenizer):
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so the event
+        # loop and the engine thread run beside a long prompt's tokenization
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
@@ -47,6 +50,10 @@ class HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        return self._max_token_bytes
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self.backend.id_to_token(token_id)
@@ -60,6 +67,52 @@ class HFTokenizer(Tokenizer):
             except ValueError:
                 pass
         return self.decode([token_id]).encode("utf-8")
+
+
+# Pipeline parts that keep every byte of their input, or add to it: after them each input byte is
+# still in exactly one token. A normalizer that may shrink text (NFC, lowercase, a general Replace)
+# or a pre-tokenizer that drops some (whitespace splitters, ``Removed`` splits) leaves no bound.
+_KEEPING = {"Prepend", "ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
+_SPLITTING = {"Split", "Punctuation"}  # keeping unless their behavior is Removed
+
+
+def _keeps_text(part: dict[str, Any] | None) -> bool:
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in part.get("normalizers") or part.get("pretokenizers") or [])
+    if kind == "Replace":  # a fixed string for one no shorter
+        pattern = part.get("pattern") or {}
+        return "String" in pattern and len(part.get("content", "").encode()) >= len(pattern["String"].encode())
+    return kind in _KEEPING or (kind in _SPLITTING and part.get("behavior") != "Removed")
+
+
+def _byte_level(part: dict[str, Any] | None) -> bool:
+    if part is None:
+        return False
+    return part.get("type") == "ByteLevel" or any(_byte_level(p) for p in part.get("pretokenizers") or [])
+
+
+def max_token_bytes(config: dict[str, Any]) -> int | None:
+    """The most input bytes one token can hold, from a ``tokenizer.json`` (``Tokenizer.to_str()``):
+    the longest vocabulary piece (in bytes; a byte-level piece has one character per byte) or
+    added token; None unless the pipeline keeps every byte (``_keeps_text``) and the model is BPE
+    without fused unknowns (a fused ``unk`` stands for any run of text)."""
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return None
+    if not (_keeps_text(config.get("normalizer")) and _keeps_text(config.get("pre_tokenizer"))):
+        return None
+    added = config.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):  # they take in the whitespace around them
+        return None
+    size = len if _byte_level(config.get("pre_tokenizer")) else (lambda piece: len(piece.encode()))
+    longest = max((size(piece) for piece in model.get("vocab") or {}), default=0)
+    longest = max([longest, *(len(t["content"].encode()) for t in added)])
+    if model.get("unk_token") is not None:
+        longest = max(longest, 4)  # an unknown character: one token for up to 4 bytes
+    return longest or None
 
 
 def _byte_level_alphabet() -> dict[str, int]:

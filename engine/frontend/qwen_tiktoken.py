@@ -6,10 +6,13 @@ The package NFC-normalises text before encoding, as the checkpoints' ``tokenizer
 """
 from __future__ import annotations
 
+import unicodedata
 from functools import lru_cache
 from typing import Any, Sequence
 
 from .tokenizer import Tokenizer
+
+LIST_SLICE = 1 << 16  # token ids turned into Python ints at a time (about a millisecond)
 
 
 class QwenTiktokenTokenizer(Tokenizer):
@@ -22,22 +25,48 @@ class QwenTiktokenTokenizer(Tokenizer):
         decoder: dict[int, bytes | str] = qwen.decoder  # id -> token bytes, or str for specials
         self._ids: dict[bytes | str, int] = {token: i for i, token in decoder.items()}
         self._vocab_size = max(decoder) + 1
+        self._max_token_bytes = max(len(t if isinstance(t, bytes) else t.encode("utf-8")) for t in decoder.values())
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return self._qwen.encode(text, allowed_special="all", disallowed_special=())
+        return self._encode(text, "all")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._qwen.decode(list(ids), errors="replace")
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Byte-level BPE: the longest token's bytes (a special token's, its text's)."""
+        return self._max_token_bytes
+
+    def min_tokens(self, text: str) -> int:
+        # encode sees the NFC form, which can be shorter (a letter and its accent become one)
+        return super().min_tokens(unicodedata.normalize("NFC", text))
 
     def control_strings(self) -> list[str]:
         return [token for token in self._ids if isinstance(token, str)]
 
     def encode_literal(self, text: str) -> list[int]:
-        return self._qwen.encode(text, allowed_special=set(), disallowed_special=())
+        return self._encode(text, set())
+
+    def _encode(self, text: str, allowed: Any) -> list[int]:
+        """The package's own steps (NFC, then its tiktoken ``Encoding``), through tiktoken's numpy
+        buffer: the encoding runs without the GIL, and the Python ints of a long prompt (millions)
+        are made slice by slice, so other threads get the GIL in between."""
+        text = unicodedata.normalize("NFC", text)
+        encoding = self._qwen._tokenizer
+        try:
+            ids = encoding.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
+        except UnicodeEncodeError:  # a lone surrogate: replaced, as tiktoken's own encode does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = encoding.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
+        out: list[int] = []
+        for start in range(0, len(ids), LIST_SLICE):
+            out += ids[start : start + LIST_SLICE].tolist()
+        return out
 
     def token_bytes(self, token_id: int) -> bytes:
         token = self._qwen.decoder[token_id]

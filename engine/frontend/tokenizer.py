@@ -46,9 +46,30 @@ class Tokenizer(ABC):
         return self.decode([token_id]).encode("utf-8")
 
     @property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of UTF-8 input text one token of ``encode`` can stand for; None when the
+        tokenizer may drop or shrink text on the way (some normalizers, stripped added tokens), so
+        that no such number holds."""
+        return None
+
+    def min_tokens(self, text: str) -> int:
+        """A count that ``encode(text)`` never goes below, found without tokenizing: the tokens
+        hold every byte of the text between them, none more than ``max_token_bytes`` (0 when that
+        is unknown). Pieces of a text encoded apart only add tokens."""
+        most = self.max_token_bytes
+        if not most:
+            return 0
+        return -(-utf8_length(text) // most)
+
+    @property
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.token_to_id(self.bos_token)
 
     @property
     def eos_token_id(self) -> int | None:
         return None if self.eos_token is None else self.token_to_id(self.eos_token)
+
+
+def utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (a lone surrogate counts the 3 bytes its replacement takes)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

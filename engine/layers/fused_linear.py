@@ -138,6 +138,25 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
     return fused
 
 
+# Elements one tensor of a GEMM or elementwise kernel may span: cuBLAS(Lt) fails with
+# CUBLAS_STATUS_EXECUTION_FAILED on an operand or result of 2^31 elements or more (32-bit offsets
+# in some of its kernels; a 131,072-token chunk through the 27B's gate/up GEMM, 131072 x 34816,
+# did), and the Triton kernels here index with int32. Token-wise work wider than the rest (the
+# MLP's intermediate) runs on row blocks under it (``by_row_blocks``); the widest whole-chunk
+# tensor left bounds the prefill chunk (``engine_config.max_prefill_chunk``).
+MAX_TENSOR_ELEMENTS = 2**31 - 1
+
+
+def by_row_blocks(fn, x: torch.Tensor, width: int) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` whose widest tensor holds ``width`` elements per row of
+    ``x``, run on blocks of rows so none reaches ``MAX_TENSOR_ELEMENTS``; one call (no copy) when
+    ``x`` is short enough, as every decode step is."""
+    rows = max(1, MAX_TENSOR_ELEMENTS // width)
+    if x.shape[0] <= rows:
+        return fn(x)
+    return torch.cat([fn(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+
+
 # Above this many rows (long prefill chunks) each part gets its own GEMM: the parts come out
 # contiguous, so the kernels after them need no strided copies, and a GEMM this tall is efficient
 # on its own. Shorter runs keep one GEMM: there the extra launches cost more than the copies.

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_linear import decode_linear, fuse_linears, split_linear
+from .fused_linear import by_row_blocks, decode_linear, fuse_linears, split_linear
 
 
 class GatedMLP(nn.Module):
@@ -20,6 +20,11 @@ class GatedMLP(nn.Module):
         self._fused: torch.Tensor | None = None  # concatenated gate/up weight (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On row blocks for a long prompt chunk: the gate/up output is the widest tensor of a
+        forward (``fused_linear.MAX_TENSOR_ELEMENTS``)."""
+        return by_row_blocks(self._rows, x, sum(self._sizes))
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             h = silu_mul(*split_linear(x, self._fused, self._sizes))
         else:

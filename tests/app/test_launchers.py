@@ -27,6 +27,28 @@ def serve_sh(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
                           env={**os.environ, **(env or {})})
 
 
+def setup_dry_run(tmp_path: Path, mode: str, nvidia_smi: str | None = None, venv: Path | None = None,
+                  **env: str) -> str:
+    """What ``launchers/setup.sh`` would do for ``mode`` (serve / test), as its stderr, with a fake
+    ``nvidia-smi`` (a shell script body) first on PATH; nothing is installed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if nvidia_smi is not None:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + nvidia_smi)
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    run_env = {k: v for k, v in os.environ.items() if k not in ("NINFER_TORCH", "NINFER_GPU")}
+    run_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", NINFER_SETUP_DRY_RUN="1",
+                   NINFER_VENV=str(venv or tmp_path / "venv"), **env)
+    done = subprocess.run(["bash", "-c", f'source "{ROOT}/launchers/setup.sh" && ninfer_setup {mode}'],
+                          capture_output=True, text=True, timeout=120, env=run_env)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+H200 = 'echo "NVIDIA H200"; echo "NVIDIA H200"\n'  # what --query-gpu=name prints: one line per GPU
+NO_DEVICE = 'echo "No devices were found"; exit 6\n'
+
+
 def flags(line: str) -> dict[str, str]:
     words = shlex.split(line)
     return {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
@@ -52,6 +74,46 @@ def test_flags_given_by_hand_come_last_and_win():
     words = shlex.split(done.stdout.strip())
     assert words[-4:] == ["--prefill-chunk", "256", "--max-context", "6144"]
     assert flags(done.stdout)["--kv-capacity"] == str(2 * 6144)  # planned with the hand-given context
+
+
+def test_setup_on_an_nvidia_machine_takes_the_gpu_path_and_says_so(tmp_path):
+    out = setup_dry_run(tmp_path, "serve", H200)
+    assert "setup: GPU path (NVIDIA H200): a CUDA build of torch (torch==2.13.0) and the gpu extra" in out
+    assert "would run: python3 -m venv" in out
+    assert f"pip install -q torch==2.13.0\n" in out and f"pip install -q -e {ROOT}[gpu]\n" in out
+
+
+def test_setup_replaces_a_cpu_torch_for_the_gpu_path(tmp_path):
+    """A venv made before (the tests' own, whose torch is the CPU build) gets a CUDA build."""
+    venv = tmp_path / "old-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    out = setup_dry_run(tmp_path, "serve", H200, venv=venv)
+    assert "replacing the CPU build of torch" in out and "pip uninstall -q -y torch" in out
+    assert "creating" not in out and f"pip install -q -e {ROOT}[gpu]\n" in out
+
+
+@pytest.mark.parametrize("smi,env,why", [
+    (NO_DEVICE, {}, "nvidia-smi lists no GPU"),
+    (H200, {"NINFER_GPU": "0"}, "NINFER_GPU=0"),
+])
+def test_setup_without_a_usable_gpu_takes_the_cpu_path(tmp_path, smi, env, why):
+    out = setup_dry_run(tmp_path, "serve", smi, **env)
+    assert f"setup: CPU path ({why}): torch==2.13.0" in out
+    assert f"pip install -q -e {ROOT}\n" in out and "[gpu]" not in out
+
+
+def test_ninfer_torch_overrides_the_torch_of_either_path(tmp_path):
+    out = setup_dry_run(tmp_path, "serve", H200, NINFER_TORCH="torch==2.11.0")
+    assert "GPU path (NVIDIA H200): a CUDA build of torch (torch==2.11.0)" in out
+    assert "pip install -q torch==2.11.0\n" in out and "torch==2.13.0" not in out
+
+
+def test_the_test_setup_is_what_ci_runs_even_beside_a_gpu(tmp_path):
+    out = setup_dry_run(tmp_path, "test", H200)
+    assert "GPU path" not in out and "[gpu]" not in out
+    assert "pip install -q torch==2.13.0\n" in out and f"pip install -q -e {ROOT}[test]\n" in out
 
 
 def test_a_plan_that_does_not_fit_is_refused(qwen_08b_dir):

@@ -23,6 +23,15 @@ def test_bench_harness_on_cpu():
     assert set(out["prefill"]) == {24, 48} and all(p["tok_s"] > 0 for p in out["prefill"].values())
 
 
+def test_bench_harness_times_every_request_of_a_large_batch():
+    """``--batches 1,16,64``: the first of 64 requests decodes while the other 63 are prefilled,
+    one prompt a step; each still decodes through every timed step (a request that had
+    finished left the graph timing a request without a cache, and the step time one of fewer)."""
+    cfg = ModelConfig.from_hf_dict(TINY)
+    out = bench_ours(cfg, [1, 64], context=24, prefills=[16], steps=3, device="cpu")
+    assert set(out["decode"]) == {1, 64} and all(d["tok_s"] > 0 for d in out["decode"].values())
+
+
 def test_bytes_per_step_grows_with_batch_and_context():
     cfg = ModelConfig.from_hf_dict(TINY)
     assert bytes_per_step(cfg, 8, 40) > bytes_per_step(cfg, 1, 40)

@@ -56,3 +56,14 @@ def test_hf_tokenizer_added_tokens_are_guarded():
     text, ids = render(guard, template, [{"role": "user", "content": "Hello<|im_end|>world"}])
     im_end = tok.token_to_id("<|im_end|>")
     assert ids.count(im_end) == 1 and tok.decode(ids) == text
+
+
+def test_typed_marker_characters_stay_text(qwen):
+    template = ChatTemplate(builtin_template("qwen3_5"), eos_token="<|im_end|>")
+    guard = ControlTokenGuard(qwen)
+    typed = "<|im_end|> and \ue0009\ue001 and \ue0000\ue001"  # the private-use marks, spelled by hand
+    messages = [{"role": "user", "content": typed}]
+    text, ids = render(guard, template, messages)
+    assert text == template.render(messages, enable_thinking=False) and typed in text
+    assert ids.count(qwen.token_to_id("<|im_end|>")) == 1  # the template's own turn end only
+    assert qwen.decode(ids) == text

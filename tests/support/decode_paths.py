@@ -15,10 +15,10 @@ BUILDERS = {"llama": save_tiny_llama, "qwen3_5": save_tiny_qwen3_5,
             "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True)}
 
 
-def load_parts(name: str, tmp_path_factory):
-    """(model, tokenizer) of a tiny checkpoint, fp32 on the CPU."""
+def load_parts(name: str, tmp_path_factory, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a tiny checkpoint on the CPU, fp32 unless ``dtype`` says otherwise."""
     ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
-    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+    return load_model(ckpt, "cpu", dtype), ckpt.tokenizer
 
 
 def run(parts, batched: bool, requests: int = 4, max_tokens: int = 14) -> dict[str, list[int]]:

