@@ -1,23 +1,29 @@
 """The FastAPI application: one route table, one error wrapper, and the middleware around it.
 
-Middleware, outermost first (``middleware.py``): request id, CORS (``--cors``), bearer-key auth
+Middleware, outermost first: llama.cpp's path spellings without ``/v1`` rewritten to their routes
+(``routing.py``), then (``middleware.py``) request id, CORS (``--cors``), bearer-key auth
 (``--api-key``; not on ``/health``, the public web pages, or CORS preflights), the raw body
-limit (``--max-request-mib``, 413 before JSON parsing).
+limit (``--max-request-mib``, 413 before JSON parsing). Every route with a JSON body parses and
+checks it in ``json_body.JSONBodyRoute``. ``/openapi.json`` describes the routes.
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
-from . import observability, web
+from .. import __version__
+from . import observability, openapi, web
 from .anthropic import routes as anthropic
-from .errors import APIError, install_handlers
+from .errors import install_handlers
+from .json_body import JSONBodyRoute
 from .llamacpp.routes import router as llamacpp_router
 from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .openai_chat.routes import router as chat_router
 from .openai_completions.routes import router as completions_router
 from .openai_responses.routes import router as responses_router
+from .openai_common import check_model
+from .routing import PathAliasMiddleware
 from .state import ServerState
 
 OPEN_PATHS = {"/health"}
@@ -28,13 +34,15 @@ def _open(path: str) -> bool:
     return path in OPEN_PATHS or web.is_public(path)
 
 
-def _model(state: ServerState) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ninfer",
+def _model(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "ninfer",
             "max_model_len": state.max_context, "meta": {"context_length": state.max_context}}
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="NInfer", docs_url=None, redoc_url=None, openapi_url=None)
+    # the OpenAPI document at /openapi.json (behind the key, as the API it describes)
+    app = FastAPI(title="NInfer", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.router.route_class = JSONBodyRoute  # routes added on the app check their JSON body too
     app.state.ninfer = state
     install_handlers(app)
 
@@ -46,14 +54,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model(state)]}
+        return {"object": "list", "data": [_model(state, name) for name in state.public_names]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str, request: Request) -> dict:
-        if model_id != state.model_id:
-            raise APIError(404, f"model '{model_id}' does not exist; this server serves '{state.model_id}'",
-                           "model", "model_not_found")
-        return _model(state)
+    async def get_model(model_id: str) -> dict:
+        return _model(state, check_model(state, model_id, status=404))
 
     app.include_router(chat_router)
     app.include_router(completions_router)
@@ -69,5 +74,7 @@ def create_app(state: ServerState) -> FastAPI:
                            allow_credentials="*" not in state.cors_origins)
     app.add_middleware(RequestIdMiddleware)
     anthropic.install(app)  # after auth: its envelope reshapes every /v1/messages* error
-    observability.install(app, state)  # outermost: sees what the client sees
+    observability.install(app, state)  # sees what the client sees
+    app.add_middleware(PathAliasMiddleware)  # outermost: every layer sees the /v1 path
+    openapi.install(app, _open, bool(state.api_key), state.public_names)
     return app

@@ -17,6 +17,7 @@ from ..engine.loop import EngineLoop
 from ..engine.models.base import CausalLM
 from . import observability
 from .state import SamplingDefaults, ServerState, ThinkingDefaults
+from .workers import PrepareWorkers
 
 log = logging.getLogger("ninfer.server")
 
@@ -90,6 +91,7 @@ def sampling_defaults(args: argparse.Namespace, ckpt: Checkpoint) -> SamplingDef
 
 def gateway_settings(args: argparse.Namespace) -> dict:
     """The gateway's own flags as ``ServerState`` fields (validated here, at startup)."""
+    from .openai_responses.sealing import ReasoningSeal
     from .openai_responses.store import ResponseStore
 
     for flag, value in (("--max-request-mib", args.max_request_mib), ("--response-store-mib", args.response_store_mib)):
@@ -106,7 +108,23 @@ def gateway_settings(args: argparse.Namespace) -> dict:
         max_request_bytes=int(args.max_request_mib * (1 << 20)),
         cors_origins=origins,
         responses=ResponseStore(int(args.response_store_mib * (1 << 20))),
+        reasoning_seal=ReasoningSeal.from_file(Path(args.reasoning_key_file) if args.reasoning_key_file else None),
+        strict_tools=args.strict_tools,
+        workers=PrepareWorkers(args.prepare_threads),
     )
+
+
+def public_names(args: argparse.Namespace, default_id) -> dict:
+    """``model_id`` and ``aliases``: ``--model-id`` then ``--served-model-name`` in order, without
+    repeats; the model's own name (``default_id(args.model)``) when neither is given."""
+    given = [args.model_id] if args.model_id else []
+    names = list(dict.fromkeys([*given, *(getattr(args, "served_model_name", None) or [])]))
+    for name in names:
+        if not name.strip():
+            raise ValueError("--model-id / --served-model-name: a model name must not be empty")
+    if not names:
+        names = [default_id(args.model)]
+    return dict(model_id=names[0], aliases=tuple(names[1:]))
 
 
 def eos_ids(ckpt: Checkpoint, tokenizer: Tokenizer) -> frozenset[int]:
@@ -140,6 +158,7 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
     template = resolve_template(ckpt, tokenizer, args.chat_template)
     max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     config = engine_config(args, max_context, device, dtype)
+    config.check_for_model(ckpt.config)  # before the weights are read
     return assemble_state(args, ckpt, load_model(ckpt, device, dtype), tokenizer, template, config)
 
 
@@ -152,7 +171,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, model: CausalLM, 
         engine=AsyncEngine(loop, config, eos_ids(ckpt, tokenizer)),
         tokenizer=tokenizer,
         template=template,
-        model_id=args.model_id or default_model_id(args.model),
+        **public_names(args, default_model_id),
         max_context=config.max_context,
         sampling=sampling_defaults(args, ckpt),
         generation=ckpt.generation,

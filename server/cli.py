@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .workers import DEFAULT_THREADS
+
 log = logging.getLogger("ninfer.server")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None, help="require this key as a bearer token")
     p.add_argument("--model-id", default=None, help="public model id (default: from the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names requests may use for the model, listed by /v1/models; the first is the public "
+                        "id unless --model-id is given, which then comes first")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's, at most 32768)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -62,8 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed to call the API ('*' for any)")
     p.add_argument("--max-request-mib", type=float, default=32,
                    help="refuse request bodies larger than this with HTTP 413 (default 32)")
+    p.add_argument("--prepare-threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                   help="threads that parse request bodies, render templates and tokenize prompts off the "
+                        f"event loop (default {DEFAULT_THREADS})")
     p.add_argument("--response-store-mib", type=float, default=256,
                    help="memory for stored Responses (previous_response_id), least recently used dropped first")
+    p.add_argument("--reasoning-key-file", default=None, metavar="FILE",
+                   help="key sealing Responses reasoning as encrypted_content (default: reasoning.key in the "
+                        "user's data directory, created with mode 0600)")
+    p.add_argument("--strict-tools", action="store_true",
+                   help="refuse hosted Responses tools (web_search, file_search, ...) instead of leaving them "
+                        "out of the prompt")
     p.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="stderr verbosity")
     p.add_argument("--log-stats-interval-ms", type=int, default=5000,
                    help="a throughput line on stderr this often while busy (0: never)")
@@ -93,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .observability.log_filter import install_log_redaction
 
     app = create_app(state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
-                                           timeout_graceful_shutdown=3))
+                                           ws="none", timeout_graceful_shutdown=3))  # no WebSocket routes
+    install_log_redaction()  # after uvicorn's Config has set up its handlers: no paths, queries or messages
     failure: list[BaseException] = []
 
     def on_failure(exc: BaseException) -> None:

@@ -1,12 +1,18 @@
 """One error type for the gateway and its translation to OpenAI's error envelope."""
 from __future__ import annotations
 
+import logging
+import math
+import re
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from .routing import route_template
 
 _TYPES = {
     400: "invalid_request_error",
@@ -18,6 +24,15 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the answer
+
+log = logging.getLogger("ninfer.server")
+
+
+def _text(value: Any) -> Any:
+    """``value`` made encodable as UTF-8: an error message must never fail to be written."""
+    return LONE_SURROGATE.sub("\ufffd", value) if isinstance(value, str) else value
 
 
 class APIError(Exception):
@@ -31,9 +46,9 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": _text(self.message),
                 "type": _TYPES.get(self.status, "server_error"),
-                "param": self.param,
+                "param": _text(self.param),
                 "code": self.code,
             }
         }
@@ -49,7 +64,9 @@ def invalid(param: str | None, message: str, code: str = "invalid_value") -> API
     return APIError(400, message, param, code)
 
 
-_ENGINE_STATUS = {"server_overloaded": 429, "request_queue_timeout": 503, "engine_failed": 503}
+# internal_error: one request failed inside the engine, which goes on serving the others
+_ENGINE_STATUS = {"server_overloaded": 429, "request_queue_timeout": 503, "engine_failed": 503,
+                  "internal_error": 500}
 
 
 def engine_error(exc) -> APIError:
@@ -57,19 +74,30 @@ def engine_error(exc) -> APIError:
     return APIError(_ENGINE_STATUS.get(exc.code, 400), str(exc), None, exc.code)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its response started; nobody is left to answer."""
+
+
+def param_of(path: tuple[Any, ...]) -> str | None:
+    """A JSON path as a ``param``: ``messages[0].content``."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}" if out else str(p)
+    return out or None
+
+
 def loc_to_param(loc: tuple[Any, ...]) -> str | None:
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif not out:
-            out = str(p)
-        elif str(p).startswith(("function-", "tagged-union", "str", "list[", "literal", "int", "float", "bool")):
-            continue  # pydantic union branch names, not fields
-        else:
-            out += f".{p}"
-    return out or None
+    fields = [p for i, p in enumerate(parts) if i == 0 or isinstance(p, int) or not str(p).startswith(
+        ("function-", "tagged-union", "str", "list[", "literal", "int", "float", "bool"))]  # union branch names
+    return param_of(tuple(fields))
+
+
+def _non_finite(value: Any) -> bool:
+    try:
+        return not isinstance(value, bool) and not math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -78,11 +106,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     kind = first.get("type", "")
     param = loc_to_param(tuple(first.get("loc", ())))
     if kind == "json_invalid":
-        return APIError(400, "request body is not valid JSON", None, "invalid_json")
+        return APIError(400, "the request body is not valid JSON", None, "invalid_json")
+    if param is None and kind in ("missing", "model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object", None, "invalid_body")
     if kind == "extra_forbidden":
         return APIError(400, f"unknown parameter '{param}'", param, "unknown_parameter")
     if kind == "missing":
         return APIError(400, f"missing required parameter '{param}'", param, "missing_required_parameter")
+    if _non_finite(first.get("input")):
+        return APIError(400, f"invalid value for '{param}': must be a finite number", param, "invalid_value")
     msg = first.get("msg", "invalid value")
     return APIError(400, f"invalid value for '{param}': {msg}" if param else msg, param, "invalid_value")
 
@@ -96,6 +128,14 @@ def install_handlers(app) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
+
+    async def _gone(request: Request, _: Exception) -> Response:
+        # an ordinary end: the engine request (if any) was aborted; the status is for logs only
+        log.debug("client left before the response of %s %s", request.method, route_template(request.scope))
+        return Response(status_code=CLIENT_GONE)
+
+    app.add_exception_handler(ClientDisconnected, _gone)
+    app.add_exception_handler(ClientDisconnect, _gone)  # gone while its body was being read
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -5,6 +5,7 @@ and sampling values; ``prepare`` renders and tokenizes the prompt, checks it aga
 resolves reasoning (does the output start inside ``<think>``? which budget?) and builds the
 ``SamplingParams``. ``start`` submits it and waits for admission, so that overload and queue
 timeouts are ordinary HTTP errors; the outputs that follow are the caller's to translate.
+Routes run the preparation on ``state.workers`` (``workers.py``), off the event loop.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .state import ServerState
 # Qwen's early-close guidance, committed when a thinking budget runs out; ends with the close marker.
 THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the solution based on "
                        "the thinking directly now.\n" + THINK_CLOSE + "\n\n")
+RELEASE_SLICE = 1 << 16  # ids freed at a time when a prompt is refused (about a millisecond)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
 # what chat_template_kwargs may not set: the conversation, the generation mode, special tokens
@@ -103,21 +105,75 @@ def lower_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, str) or (isinstance(part, Mapping) and part.get("type") == "text"
+                                     and isinstance(part.get("text"), str))
+
+
+def lower_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text-only content reaches the template as one string (parts joined without separators, as
+    templates that iterate parts write them): many templates concatenate ``message['content']``.
+    Content with other parts (images) stays a list for templates that know them."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and all(_is_text_part(p) for p in content):
+            m = {**m, "content": "".join(p if isinstance(p, str) else p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
 def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  options: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
+                  options: Mapping[str, Any], param: str = "messages", fit: bool = False) -> tuple[str, list[int]]:
+    """The prompt text and ids of template messages from any API family, lowered here first.
+    ``fit``: the prompt goes to the engine as it is, so one that cannot fit the context is refused
+    before it is tokenized (``check_context_floor``)."""
     guard = guard_for(state.tokenizer)
-    guarded, literals = guard.protect(messages)
+    guarded, literals = guard.protect(lower_content(lower_roles(messages)))
     try:
         text = state.template.render(guarded, add_generation_prompt=True, tools=tools or None, **options)
     except TemplateError as exc:
         raise APIError(400, f"the conversation cannot be rendered: {exc}", param, "invalid_prompt") from exc
+    if fit:  # the text outside the guard's markers alone is a floor for the prompt's tokens
+        check_context_floor(state, state.tokenizer.min_tokens(literals.pattern.sub("", text) if literals else text),
+                            param)
     return guard.encode(text, literals)
+
+
+def check_token_ids(state: ServerState, ids: Sequence[int], param: str, offset: int = 0) -> None:
+    """Every id is one the tokenizer decodes and the model embeds (the engine's ``token_limit``;
+    a checkpoint may declare more rows than its tokenizer has ids): a 400 naming ``param[i]``
+    for the first that is not."""
+    limit = state.engine.loop.engine.token_limit
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < limit)
+        raise invalid(f"{param}[{offset + i}]", f"token id {t} is out of range [0, {limit})")
+
+
+def check_context_floor(state: ServerState, least_tokens: int, param: str = "messages") -> None:
+    """``check_context`` before the tokenizer runs, for a prompt known to have at least
+    ``least_tokens`` tokens (``Tokenizer.min_tokens``): what cannot fit is refused at once, and
+    what passes is tokenized and checked exactly."""
+    if least_tokens >= state.max_context:
+        raise APIError(400, f"the prompt has at least {least_tokens} tokens; this server's context is "
+                       f"{state.max_context} tokens (--max-context)", param, "context_length_exceeded")
 
 
 def check_context(state: ServerState, prompt_tokens: int, param: str = "messages") -> None:
     if prompt_tokens >= state.max_context:
         raise APIError(400, f"the prompt has {prompt_tokens} tokens; this server's context is "
                        f"{state.max_context} tokens (--max-context)", param, "context_length_exceeded")
+
+
+def check_prompt(state: ServerState, ids: list[int], param: str = "messages") -> None:
+    """``check_context`` for a prompt's ids. Those of a prompt that does not fit (millions, for a
+    long one) are let go of a slice at a time first: freed at once, they would hold the GIL (and
+    stall the event loop and the engine) for as long as it takes."""
+    count = len(ids)
+    if count >= state.max_context:
+        while ids:
+            del ids[-RELEASE_SLICE:]
+    check_context(state, count, param)
 
 
 def thinking_control(state: ServerState, prompt_text: str, prompt_tokens: int, max_tokens: int | None,
@@ -171,8 +227,8 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     ``tool_specs`` are what the output parser may turn into calls."""
     sampling = sampling or Sampling()
     messages = lower_roles(messages)
-    text, ids = render_prompt(state, messages, tools, options or {}, prompt_param)
-    check_context(state, len(ids), prompt_param)
+    text, ids = render_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
+    check_prompt(state, ids, prompt_param)
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
     starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
     params = sampling_params(state, sampling, control)

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from .errors import APIError
+from .routing import route_template
 
 log = logging.getLogger("ninfer.server")
 
@@ -54,7 +55,7 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            log.exception("unhandled error in %s %s (%s)", scope.get("method"), scope.get("path"), request_id)
+            log.exception("unhandled error in %s %s (%s)", scope.get("method"), route_template(scope), request_id)
             if started:
                 raise
             await send_error(send_with_id, APIError(500, "internal server error", None, "internal_error"))

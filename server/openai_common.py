@@ -71,10 +71,16 @@ def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool 
     return allowed
 
 
-def check_model(state: ServerState, model: str) -> None:
-    if model != state.model_id:
-        raise APIError(400, f"model '{model}' does not exist; this server serves '{state.model_id}'",
-                       "model", "model_not_found")
+def check_model(state: ServerState, model: str | None, status: int = 400) -> str:
+    """The name to echo for a request's ``model``: the served model when it is absent (as local
+    servers do), the name itself when it is one of the public names, else ``model_not_found``."""
+    if model is None:
+        return state.model_id
+    if model not in state.public_names:
+        served = ", ".join(repr(n) for n in state.public_names)
+        raise APIError(status, f"model {model!r} does not exist; this server serves {served}", "model",
+                       "model_not_found")
+    return model
 
 
 def new_id(prefix: str) -> str:

@@ -9,6 +9,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.frontend.chat_template import ChatTemplate
 from ..engine.frontend.tokenizer import Tokenizer
 from ..engine.loader.checkpoint import GenerationDefaults
+from .workers import PrepareWorkers
 
 
 @dataclass
@@ -45,14 +46,23 @@ class ServerState:
     sampling: SamplingDefaults
     generation: GenerationDefaults
     api_key: str | None = None
+    aliases: tuple[str, ...] = ()  # names accepted besides model_id (--served-model-name)
     thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)
     default_max_tokens: int | None = None  # output tokens when a request names none (None: to the context)
     max_request_bytes: int = 32 << 20  # raw request bodies beyond this get 413 before parsing
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
     keepalive_s: float = 5.0  # an SSE comment after this long without an event
     responses: Any = None  # ResponseStore (server/openai_responses/store.py)
+    reasoning_seal: Any = None  # ReasoningSeal (server/openai_responses/sealing.py): encrypted_content
+    strict_tools: bool = False  # --strict-tools: refuse hosted Responses tools instead of leaving them out
     observability: Any = None  # Observability hub (server/observability), set by bootstrap
+    workers: PrepareWorkers = field(default_factory=PrepareWorkers)  # body parsing, templates, tokenizing
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def public_names(self) -> tuple[str, ...]:
+        """Every model name requests may use, ``model_id`` first (as ``/v1/models`` lists them)."""
+        return (self.model_id, *(a for a in self.aliases if a != self.model_id))
 
 
 def state_of(request) -> ServerState:

@@ -5,39 +5,40 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..answer import answer
-from ..errors import APIError
+from ..json_body import JSONBodyRoute
+from ..openai_common import check_model
 from ..state import state_of
 from . import serving
 from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/completion")
 async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
-    prep = serving.PreparedCompletion(body, state)
+    prep = await state.workers.run(serving.PreparedCompletion, body, state)
     return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
                         lambda _, outputs: serving.stream(prep, outputs), lambda outputs: serving.complete(prep, outputs))
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.tokenize(state_of(request), body))
+    state = state_of(request)  # the id list of a long text is large to write too
+    return await state.workers.run(lambda: JSONResponse(serving.tokenize(state, body)))
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.detokenize(state_of(request), body.tokens))
+    state = state_of(request)
+    return JSONResponse(await state.workers.run(serving.detokenize, state, body.tokens))
 
 
 @router.post("/apply-template")
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> JSONResponse:
     state = state_of(request)
-    if body.model is not None and body.model != state.model_id:
-        raise APIError(400, f"model '{body.model}' does not exist; this server serves '{state.model_id}'",
-                       "model", "model_not_found")
-    return JSONResponse({"prompt": serving.chat_prompt(state, body)})
+    check_model(state, body.model)
+    return JSONResponse({"prompt": await state.workers.run(serving.chat_prompt, state, body)})
 
 
 @router.get("/props")

@@ -9,8 +9,8 @@ from ...engine.outputs import RequestOutput
 from ...engine.request import Status
 from ...engine.sampling_params import SamplingParamError
 from ..errors import APIError
-from ..generation import check_context
-from ..openai_common import timings
+from ..generation import check_context_floor, check_prompt, check_token_ids
+from ..openai_common import check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
 from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
@@ -18,26 +18,13 @@ from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
 REPLACEMENT = "\ufffd"
 
 
-def valid_token_limit(state: ServerState) -> int:
-    """Ids below this are known to both the tokenizer and the model."""
-    return min(state.tokenizer.vocab_size, state.engine.loop.engine.model.config.vocab_size)
-
-
-def check_token_ids(state: ServerState, ids: list[int], param: str, offset: int = 0) -> None:
-    """Every id is one the tokenizer and the model know (``param[i]`` names the first that is not)."""
-    limit = valid_token_limit(state)
-    for i, t in enumerate(ids):
-        if not 0 <= t < limit:
-            raise APIError(400, f"token id {t} is out of range [0, {limit})", f"{param}[{offset + i}]",
-                           "invalid_value")
-
-
 class PreparedCompletion:
     def __init__(self, req: CompletionRequest, state: ServerState) -> None:
-        if req.model is not None and req.model != state.model_id:
-            raise APIError(400, f"model '{req.model}' does not exist; this server serves '{state.model_id}'",
-                           "model", "model_not_found")
+        check_model(state, req.model)
         req.reject_unsupported()
+        parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts),
+                            "prompt")
         if isinstance(req.prompt, str):
             self.prompt_ids = state.tokenizer.encode(req.prompt)
         else:
@@ -51,7 +38,7 @@ class PreparedCompletion:
             self.prompt_ids = ids
         if not self.prompt_ids:
             raise APIError(400, "the prompt has no tokens", "prompt", "invalid_value")
-        check_context(state, len(self.prompt_ids), "prompt")
+        check_prompt(state, self.prompt_ids, "prompt")
         try:
             self.params = req.sampling_params(state.sampling, state.default_max_tokens)
         except SamplingParamError as exc:

@@ -22,6 +22,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .monitor import RequestMonitor
 from .request_log import RequestLog, redact_argv
 from .gpu import GpuTelemetry
+from .log_filter import RouteNameMiddleware
 from .stats import build_stats, read_gauges
 from .trace import TraceMiddleware
 
@@ -57,7 +58,7 @@ class Observability:
             family=engine.model.config.family,
             model_type=engine.model.config.model_type,
             settings=settings,
-            argv=redact_argv(argv),
+            argv=redact_argv(argv, secrets=(self.state.api_key,)),
             engine={
                 "max_context": config.max_context, "max_concurrency": config.max_concurrency,
                 "prefill_chunk": config.prefill_chunk, "max_pending": config.max_pending,
@@ -105,6 +106,7 @@ def install(app: FastAPI, state: "ServerState") -> None:
     if hub is None:  # a state assembled by hand (tests): observe it all the same
         hub = state.observability = Observability(state)
     app.add_middleware(TraceMiddleware, hub=hub)
+    app.add_middleware(RouteNameMiddleware)  # outside the trace: names the route for the access line
     app.include_router(router)
     reporter: list[asyncio.Task] = []
 

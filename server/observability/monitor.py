@@ -54,7 +54,8 @@ class RequestMonitor:
 
     def rejected(self, trace: HttpTrace) -> None:
         """A generation request that ended in an error before reaching the engine."""
-        self.hub.metrics.requests.labels("rejected").inc()
+        gone = trace.status == 499  # the client left before any answer: cancelled, not refused
+        self.hub.metrics.requests.labels("cancelled" if gone else "rejected").inc()
         if trace.status is not None and (trace.status == 429 or trace.status >= 500):
             self.hub.metrics.failures.inc()  # valid, but refused for lack of capacity or a broken engine
         if self.hub.log is None:
@@ -202,7 +203,5 @@ class RequestWatch:
             record["decode_tps"] = decode_tps
             hub.log.write("request_done", **record)
         else:
-            record["kind"] = reason
-            if final is not None and final.error:
-                record["message"] = final.error[:500]
+            record["kind"] = reason  # the error's code; its message may quote the request, so it stays out
             hub.log.write("request_error", **record)

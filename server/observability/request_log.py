@@ -4,17 +4,21 @@ Events: ``server_start``; per generation request either ``request_rejected`` alo
 before reaching the engine), or ``request_start`` followed by exactly one of ``request_done`` /
 ``request_error`` (engine error or cancellation); ``throughput`` at each stats interval.
 
-Records hold counts, settings and timings, never prompt or output text, tool arguments or an API
-key. The file is opened in append mode and flushed after every event.
+Records hold counts, settings and timings, never prompt or output text, tool arguments, any other
+value a request carried, or an API key. An error is logged as its type, code and the field it
+names (``logged_error``), never its message, which may quote the request. The file is opened in
+append mode and flushed after every event.
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 SCHEMA = "ninfer_request_log"
 SCHEMA_VERSION = 1
@@ -58,11 +62,16 @@ class RequestLog:
             self._file.close()
 
 
-def redact_argv(argv: list[str]) -> list[str]:
-    """``argv`` with the value of every secret flag (``--api-key K`` or ``--api-key=K``) replaced."""
+def redact_argv(argv: list[str], secrets: Sequence[str | None] = ()) -> list[str]:
+    """``argv`` with the value of every secret flag (``--api-key K`` or ``--api-key=K``) replaced,
+    and any argument holding one of ``secrets`` (the key given under an abbreviated flag)."""
     out, hide_next = [], False
+    secrets = [s for s in secrets if s]
     for arg in argv:
-        if hide_next:
+        if any(s in arg for s in secrets) and not arg.startswith(tuple(f + "=" for f in SECRET_FLAGS)):
+            out.append(REDACTED)
+            hide_next = False
+        elif hide_next:
             out.append(REDACTED)
             hide_next = False
         elif arg in SECRET_FLAGS:
@@ -72,6 +81,47 @@ def redact_argv(argv: list[str]) -> list[str]:
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
         else:
             out.append(arg)
+    return out
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_PARAM_PART = re.compile(r"\[\d+\]|[^.\[\]]+")
+UNNAMED = "*"  # a param segment the server's own code does not name: a request's key, not a field
+
+
+@functools.lru_cache(maxsize=1)
+def _server_words() -> frozenset[str]:
+    """Every identifier written in the gateway's source: the field names an error's ``param`` may
+    hold. A segment outside it came from the request (an unknown field, a map key) and is hidden."""
+    words: set[str] = set()
+    for file in Path(__file__).resolve().parents[1].rglob("*.py"):
+        try:
+            words.update(_IDENTIFIER.findall(file.read_text(encoding="utf-8")))
+        except OSError:
+            continue
+    return frozenset(words)
+
+
+def logged_param(param: str) -> str:
+    """``param`` as the log may hold it: indices and the server's field names kept, any other
+    segment (``unknown_parameter``'s own name, a metadata key) replaced by ``*``."""
+    words = _server_words()
+    parts = _PARAM_PART.findall(param)
+    shown = [p if p.startswith("[") or (_IDENTIFIER.fullmatch(p) and p in words) else UNNAMED for p in parts]
+    return "".join(p if p.startswith("[") or i == 0 else "." + p for i, p in enumerate(shown)) or UNNAMED
+
+
+def logged_error(err: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of an error envelope the log keeps: ``type`` and ``code`` (the server's
+    identifiers) and ``param`` (field names only). Never ``message``: it quotes request values."""
+    out: dict[str, Any] = {}
+    for key in ("type", "code"):
+        value = err.get(key)
+        if value is not None:
+            out[key] = value if isinstance(value, str) and _IDENTIFIER.fullmatch(value) else "other"
+    param = err.get("param")
+    if param is not None:
+        out["param"] = logged_param(param) if isinstance(param, str) else UNNAMED
     return out
 
 

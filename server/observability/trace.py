@@ -14,6 +14,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .request_log import logged_error
+
 if TYPE_CHECKING:
     from . import Observability
 
@@ -44,11 +46,12 @@ class HttpTrace:
             return None
         try:
             return json.loads(self.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting too deep for the parser
             return None
 
     def error(self) -> dict[str, Any]:
-        """type / code / param / message of an OpenAI- or Anthropic-shaped error body."""
+        """type / code / param of an OpenAI- or Anthropic-shaped error body, as the log may hold them
+        (``request_log.logged_error``: no message, field names only)."""
         try:
             body = json.loads(self.error_body or b"")
         except ValueError:
@@ -56,10 +59,7 @@ class HttpTrace:
         err = body.get("error") if isinstance(body, dict) else None
         if not isinstance(err, dict):
             return {}
-        out = {k: err.get(k) for k in ("type", "code", "param", "message") if err.get(k) is not None}
-        if isinstance(out.get("message"), str):
-            out["message"] = out["message"][:500]
-        return out
+        return logged_error(err)
 
 
 _CURRENT: ContextVar[HttpTrace | None] = ContextVar("ninfer_http_trace", default=None)

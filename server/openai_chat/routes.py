@@ -4,17 +4,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..answer import answer
+from ..json_body import JSONBodyRoute
 from ..state import state_of
 from . import serving
 from .protocol import ChatCompletionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = state_of(request)
-    chat = serving.PreparedChat(body, state)
+    chat = await state.workers.run(serving.PreparedChat, body, state)
     p = chat.prepared
     return await answer(request, state, p.prompt_ids, p.params, chat.id, body.stream,
                         lambda admitted, outputs: serving.stream(chat, admitted, outputs),

@@ -17,7 +17,7 @@ from .protocol import ChatCompletionRequest, check_tool_history
 
 class PreparedChat:
     def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
-        check_model(state, req.model)
+        model = check_model(state, req.model)
         req.reject_unsupported()
         check_tool_history(req)
         callable_tools = req.callable_tools(req.function_tools())
@@ -30,7 +30,7 @@ class PreparedChat:
         self.req = req
         self.id = new_id("chatcmpl-")
         self.created = int(time.time())
-        self.model = state.model_id
+        self.model = model  # the name the request used, or the served model's id
 
     def parser(self) -> AssistantOutputParser:
         return AssistantOutputParser(self.prepared.starts_in_reasoning, self.prepared.tools)

@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # absent: the served model (as local servers take it)
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

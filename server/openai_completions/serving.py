@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
-from ..generation import check_context, sampling_params
+from ..generation import check_context_floor, check_prompt, check_token_ids, sampling_params
 from ..openai_common import check_model, new_id, timings
 from ..state import ServerState
 from ..streaming import sse_data
@@ -15,26 +15,24 @@ from .protocol import CompletionRequest
 
 class PreparedCompletion:
     def __init__(self, req: CompletionRequest, state: ServerState) -> None:
-        check_model(state, req.model)
+        model = check_model(state, req.model)
         req.reject_unsupported()
         prompt = req.one_prompt()
         if isinstance(prompt, str):
+            check_context_floor(state, state.tokenizer.min_tokens(prompt), "prompt")
             self.prompt_text, self.prompt_ids = prompt, state.tokenizer.encode(prompt)
             if not self.prompt_ids:
                 raise invalid("prompt", "the prompt is empty")
         else:
-            vocab = state.tokenizer.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise invalid("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            check_token_ids(state, prompt, "prompt")
             self.prompt_ids = list(prompt)
             self.prompt_text = state.tokenizer.decode(self.prompt_ids) if req.echo else ""
-        check_context(state, len(self.prompt_ids), "prompt")
+        check_prompt(state, self.prompt_ids, "prompt")
         self.params = sampling_params(state, req.sampling())
         self.req = req
         self.id = new_id("cmpl-")
         self.created = int(time.time())
-        self.model = state.model_id
+        self.model = model  # the name the request used, or the served model's id
 
 
 def _usage(final: RequestOutput) -> dict[str, Any]:

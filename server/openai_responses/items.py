@@ -7,12 +7,13 @@ function_call) into one assistant turn and puts tool results in their calls' dec
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..errors import APIError, invalid, unsupported
 from ..openai_common import new_id
 
 ASSISTANT_PHASE = {"reasoning": 0, "message": 1, "function_call": 2}
+Unseal = Callable[[str, str], str]  # (encrypted_content, param) -> reasoning text
 ID_PREFIX = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_", "function_call_output": "fco_"}
 
 
@@ -67,14 +68,29 @@ def _message(item: dict[str, Any], at: str) -> dict[str, Any]:
     return out
 
 
-def _reasoning(item: dict[str, Any], at: str) -> dict[str, Any]:
-    content = item.get("content")
+def _reasoning_texts(content: Any, at: str) -> list[str]:
     texts = [p for p in content or [] if isinstance(p, dict) and p.get("type") == "reasoning_text"]
     if not texts or len(texts) != len(content or []) or any(not isinstance(p.get("text"), str) for p in texts):
-        raise unsupported(f"{at}.content", "a reasoning Item needs its raw reasoning_text content; summaries or "
-                          "encrypted content cannot replace it")
-    return {"id": item.get("id") or new_id("rs_"), "type": "reasoning", "summary": item.get("summary") or [],
-            "content": [{"type": "reasoning_text", "text": p["text"]} for p in texts]}
+        raise unsupported(f"{at}.content", "a reasoning Item needs its raw reasoning_text content or the "
+                          "encrypted_content this server issued; a summary cannot replace them")
+    return [p["text"] for p in texts]
+
+
+def _reasoning(item: dict[str, Any], at: str, unseal: Unseal | None) -> dict[str, Any]:
+    content, sealed = item.get("content"), item.get("encrypted_content")
+    out = {"id": item.get("id") or new_id("rs_"), "type": "reasoning", "summary": item.get("summary") or []}
+    if sealed is not None:
+        if not isinstance(sealed, str) or unseal is None:
+            raise invalid(f"{at}.encrypted_content", "encrypted_content must be the string this server issued")
+        text = unseal(sealed, f"{at}.encrypted_content")
+        if content and "".join(_reasoning_texts(content, at)) != text:
+            raise invalid(f"{at}.content", "the reasoning content differs from the text sealed in encrypted_content")
+        out["encrypted_content"] = sealed
+        texts = [text]
+    else:
+        texts = _reasoning_texts(content, at)
+    out["content"] = [{"type": "reasoning_text", "text": t} for t in texts]
+    return out
 
 
 def _function_call(item: dict[str, Any], at: str) -> dict[str, Any]:
@@ -116,8 +132,11 @@ def _function_output(item: dict[str, Any], at: str) -> dict[str, Any]:
     return out
 
 
-def normalize_input(value: str | list[dict[str, Any]] | None, taken_ids: Iterable[str] = ()) -> list[dict[str, Any]]:
-    """Canonical Items of a request's ``input``; ids must be unique (also against ``taken_ids``)."""
+def normalize_input(value: str | list[dict[str, Any]] | None, taken_ids: Iterable[str] = (),
+                    unseal: Unseal | None = None) -> list[dict[str, Any]]:
+    """Canonical Items of a request's ``input``; ids must be unique (also against ``taken_ids``).
+    ``unseal(blob, param)`` opens a reasoning Item's ``encrypted_content`` (a 400 naming ``param``
+    when the blob was not issued here)."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -130,7 +149,7 @@ def normalize_input(value: str | list[dict[str, Any]] | None, taken_ids: Iterabl
         if kind == "message":
             out = _message(item, at)
         elif kind == "reasoning":
-            out = _reasoning(item, at)
+            out = _reasoning(item, at, unseal)
         elif kind == "function_call":
             out = _function_call(item, at)
         elif kind == "function_call_output":

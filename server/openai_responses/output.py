@@ -3,7 +3,9 @@
 ``OutputBuilder`` receives ``AssistantOutputParser`` events and keeps the output Items: a
 reasoning Item (raw ``reasoning_text``, empty summary), an assistant message with one
 ``output_text`` part, and ``function_call`` Items. For each change it calls ``emit(type, body)``
-with the matching SSE event (without ``sequence_number``, which the stream adds).
+with the matching SSE event (without ``sequence_number``, which the stream adds). With ``seal``
+(``include: ["reasoning.encrypted_content"]``) a finished reasoning Item also carries its text
+sealed as ``encrypted_content``, for a client that sends the Item back.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from ...engine.frontend.tool_parser import ToolCall
 from ..openai_common import FunctionTool, new_id
 
 Emit = Callable[[str, dict[str, Any]], None]
+Seal = Callable[[str], str]
 
 
 class OutputBuilder:
-    def __init__(self, tools: dict[str, FunctionTool], emit: Emit | None = None) -> None:
+    def __init__(self, tools: dict[str, FunctionTool], emit: Emit | None = None, seal: Seal | None = None) -> None:
         self.tools = tools
         self.emit: Emit = emit or (lambda kind, body: None)
+        self.seal = seal
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message Item receiving text
         self._text: list[str] = []
@@ -44,6 +48,8 @@ class OutputBuilder:
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]
+            if self.seal is not None:
+                item["encrypted_content"] = self.seal(text)
             self.emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
                                                        "content_index": 0, "text": text})
         else:

@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 
+# ``include`` values with something to add: reasoning Items' sealed text (see sealing.py)
+INCLUDABLE = ("reasoning.encrypted_content",)
+
 
 class Reasoning(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -32,7 +35,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)  # absent: the served model
     input: Union[str, list[dict[str, Any]], None] = None
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -114,8 +117,9 @@ class ResponsesRequest(_Common):
             raise unsupported("service_tier", "only 'auto' or 'default'")
         if self.background:
             raise unsupported("background", "background execution is not available")
-        if self.include:
-            raise unsupported("include", "no additional output data is available")
+        for i, value in enumerate(self.include or []):
+            if value not in INCLUDABLE:
+                raise unsupported(f"include[{i}]", f"only {', '.join(INCLUDABLE)} can be included")
         if self.moderation is not None:
             raise unsupported("moderation", "moderation is not available")
         for name in ("background_options", "access_programs", "image"):
@@ -126,6 +130,10 @@ class ResponsesRequest(_Common):
         if self.prompt_cache_options is not None and \
                 self.prompt_cache_options.get("mode", "implicit") not in ("implicit", "explicit"):
             raise invalid("prompt_cache_options.mode", "mode must be 'implicit' or 'explicit'")
+
+    @property
+    def include_encrypted_reasoning(self) -> bool:
+        return "reasoning.encrypted_content" in (self.include or [])
 
 
 class InputTokensRequest(_Common):

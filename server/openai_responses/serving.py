@@ -2,64 +2,24 @@
 object, its SSE lifecycle, and storage for continuation."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, AsyncIterator
 
 from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
-from ..errors import APIError, invalid, unsupported
-from ..generation import Sampling, check_context, lower_roles, prepare, render_prompt, template_options
-from ..openai_common import FunctionTool, callable_tools, check_model, function_tool, new_id, unique_names
+from ..errors import APIError, invalid
+from ..generation import Sampling, check_prompt, lower_roles, prepare, render_prompt, template_options
+from ..openai_common import callable_tools, check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
-from .items import engine_name, normalize_input, to_messages
+from .items import normalize_input, to_messages
 from .output import OutputBuilder
 from .protocol import InputTokensRequest, ResponsesRequest
 from .store import ResponseStore, StoredResponse
+from .tools import allowed_names, check_forced_hosted, response_tools
 
-
-# ---------------------------------------------------------------------------- tools
-def response_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
-    out: list[FunctionTool] = []
-    for i, tool in enumerate(tools or []):
-        kind = tool.get("type")
-        if kind == "function":
-            out.append(function_tool(tool, f"tools[{i}]"))
-        elif kind == "namespace":
-            ns = tool.get("name")
-            if not isinstance(ns, str) or not ns or any(c in ns for c in "<>\n"):
-                raise invalid(f"tools[{i}].name", "a namespace needs a non-empty 'name'")
-            members = tool.get("tools")
-            if not isinstance(members, list) or not members:
-                raise invalid(f"tools[{i}].tools", "a namespace needs a non-empty 'tools' array")
-            desc = tool.get("description")
-            for j, fn in enumerate(members):
-                at = f"tools[{i}].tools[{j}]"
-                if not isinstance(fn, dict) or fn.get("type", "function") != "function":
-                    raise unsupported(f"{at}.type", "namespaces hold function tools only")
-                name = fn.get("name") if isinstance(fn.get("name"), str) else ""
-                out.append(function_tool(fn, at, name=engine_name(name, ns) if name else None, namespace=ns,
-                                         extra_description=f"[{ns}] {desc}" if desc else f"[{ns}]"))
-        else:
-            raise unsupported(f"tools[{i}].type", f"'{kind}' tools (hosted, MCP and custom tools are not "
-                              "available; declare function tools)")
-    unique_names(out, "tools")
-    return out
-
-
-def allowed_names(choice: dict, tools: list[FunctionTool]) -> list[str]:
-    """Names in a Responses ``{"type": "allowed_tools", "mode", "tools"}`` choice."""
-    if choice.get("mode", "auto") != "auto":
-        raise unsupported("tool_choice.mode", "only mode 'auto'")
-    names = []
-    for j, ref in enumerate(choice.get("tools") or []):
-        if not isinstance(ref, dict) or ref.get("type") != "function" or not isinstance(ref.get("name"), str):
-            raise unsupported(f"tool_choice.tools[{j}]", "only function tools can be allowed")
-        name = engine_name(ref["name"], ref.get("namespace"))
-        if name not in {t.name for t in tools}:
-            raise invalid(f"tool_choice.tools[{j}]", f"no declared function {name!r}")
-        names.append(name)
-    return names
+log = logging.getLogger("ninfer.server")
 
 
 # ---------------------------------------------------------------------------- preparation
@@ -81,13 +41,17 @@ class PreparedResponse:
                                "deleted, evicted, or store: false)", "previous_response_id",
                                "previous_response_not_found")
         self.context = list(self.parent.context) if self.parent else []
-        self.input_items = normalize_input(req.input, [i["id"] for i in self.context])
+        self.input_items = normalize_input(req.input, [i["id"] for i in self.context], state.reasoning_seal.open)
         history = self.context + self.input_items
         if not any(i["type"] == "message" and i["role"] == "user" for i in history):
             raise invalid("input", "the conversation needs a user message")
-        declared = response_tools(req.tools)
-        self.tools = callable_tools(declared, req.tool_choice, req.parallel_tool_calls,
-                                    lambda choice: allowed_names(choice, declared))
+        declared = response_tools(req.tools, state.strict_tools)
+        check_forced_hosted(req.tool_choice)
+        self.tools = callable_tools(declared.functions, req.tool_choice, req.parallel_tool_calls,
+                                    lambda choice: allowed_names(choice, declared.functions, state.strict_tools))
+        self.omitted_tools = declared.omitted  # hosted tool types left out of the prompt
+        if self.omitted_tools:
+            log.warning("responses: hosted tools left out of the prompt: %s", ", ".join(self.omitted_tools))
         kwargs = req.chat_template_kwargs or {}
         preserve = req.preserve_thinking
         if preserve is None and kwargs.get("preserve_thinking") is None and self.parent is not None:
@@ -99,11 +63,13 @@ class PreparedResponse:
         self.req = req
 
 
-def count_input_tokens(req: InputTokensRequest, state: ServerState) -> dict[str, Any]:
+def count_input_tokens(req: InputTokensRequest, state: ServerState) -> tuple[dict[str, Any], list[str]]:
+    """The input-token count object, and the hosted tool types left out of the prompt."""
     p = PreparedResponse(req, state)
-    _, ids = render_prompt(state, lower_roles(p.messages), [t.template for t in p.tools], p.options, "input")
-    check_context(state, len(ids), "input")
-    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+    _, ids = render_prompt(state, lower_roles(p.messages), [t.template for t in p.tools], p.options, "input",
+                           fit=True)
+    check_prompt(state, ids, "input")
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}, p.omitted_tools
 
 
 class ResponseRun:
@@ -121,6 +87,8 @@ class ResponseRun:
         self.id = new_id("resp_")
         self.created = time.time()
         self.store: ResponseStore = state.responses
+        # reasoning Items carry their text sealed when the client keeps the state itself
+        self.seal = state.reasoning_seal.seal if req.include_encrypted_reasoning else None
 
     def parser(self) -> AssistantOutputParser:
         return AssistantOutputParser(self.prepared.starts_in_reasoning, self.prepared.tools)
@@ -128,7 +96,7 @@ class ResponseRun:
     def obj(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
             error: dict[str, Any] | None = None) -> dict[str, Any]:
         req, params = self.req, self.prepared.params
-        return {
+        body = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": time.time() if status == "completed" else None,
             "error": error,
@@ -142,11 +110,16 @@ class ResponseRun:
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_logprobs": 0, "truncation": "disabled",
-            "usage": _usage(final) if final is not None else None,
-            "user": req.user, "safety_identifier": req.safety_identifier,
+            "safety_identifier": req.safety_identifier,
             "prompt_cache_key": req.prompt_cache_key, "metadata": req.metadata or {},
             "service_tier": "default", "background": False,
         }
+        # optional in OpenAI's Response schema: omitted rather than null until there is a value
+        if final is not None:
+            body["usage"] = _usage(final)
+        if req.user is not None:
+            body["user"] = req.user
+        return body
 
     def finish(self, builder: OutputBuilder, final: RequestOutput) -> dict[str, Any]:
         """The terminal Response; stored when asked (before it is shown, so a refusal is visible)."""
@@ -162,7 +135,8 @@ class ResponseRun:
 def _usage(final: RequestOutput) -> dict[str, Any]:
     return {
         "input_tokens": final.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        # no prompt is written to a cache that a later request could read (no prefix cache yet)
+        "input_tokens_details": {"cached_tokens": final.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -170,7 +144,7 @@ def _usage(final: RequestOutput) -> dict[str, Any]:
 
 
 async def complete(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
-    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools})
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, seal=run.seal)
     final: RequestOutput | None = None
     async for out in outputs:
         builder.push(parser.push(out.text))
@@ -189,7 +163,7 @@ async def stream(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> Asy
         frames.append(sse_event(kind, {"type": kind, "sequence_number": seq, **body}))
         seq += 1
 
-    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit)
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit, run.seal)
     emit("response.created", {"response": run.obj("in_progress", [])})
     emit("response.in_progress", {"response": run.obj("in_progress", [])})
     try:

@@ -1,6 +1,8 @@
-"""An engine failure is visible on /health and ends ninfer-serve with exit code 2."""
+"""An engine failure is visible on /health and ends ninfer-serve with exit code 2; a failure that
+belongs to one request ends that request alone."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,6 +14,9 @@ from ninfer.engine.engine import LLMEngine
 from ninfer.server import cli
 from ninfer.server.app import create_app
 from ninfer.server.bootstrap import build_state
+from support.faults import FaultyDecode
+from support.live_server import LiveServer
+from support.scripted import scripted_state
 from support.server_process import free_port
 from support.tiny import save_tiny_llama
 
@@ -61,3 +66,35 @@ def test_failed_step_ends_the_process_with_code_2(tiny, monkeypatch):
     assert httpx.post(base + "/v1/chat/completions", timeout=30, json=BODY).status_code == 503
     thread.join(30)
     assert result == [cli.EXIT_ENGINE_FAILURE]
+
+
+def test_a_fault_in_one_requests_output_ends_that_request_alone():
+    """The request whose output cannot be decoded gets a 500 ``internal_error``; the stream
+    beside it runs to its end, /health stays 200 and the next request is served."""
+    state, loop = scripted_state({"kaboom": "It goes KABOOM here.", "story": "once upon a time " * 20})
+    engine = state.engine.loop.engine
+    tok = engine.tokenizer
+    fault_id = tok.encode(" KABOOM")[0]
+    assert fault_id not in tok.encode("once upon a time " * 20)
+    engine.tokenizer = FaultyDecode(tok, fault_id)  # read by each request's detokenizer
+    engine.model.step_delay = 0.01  # the story is still streaming when the other one fails
+    loop.start()
+    try:
+        with LiveServer(create_app(state)) as server, httpx.Client(base_url=server.base_url, timeout=60) as client:
+            story = {"prompt": "Tell me a story.", "n_predict": 200}
+            with client.stream("POST", "/completion", json={**story, "stream": True}) as streamed:
+                assert streamed.status_code == 200
+                events = (json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: "))
+                first = next(events)
+                failed = client.post("/completion", json={"prompt": "Tell me a kaboom.", "n_predict": 200})
+                rest = list(events)
+            assert failed.status_code == 500, failed.text
+            assert failed.json()["error"]["code"] == "internal_error"
+            assert "KeyError" in failed.json()["error"]["message"]
+            assert "".join(e["content"] for e in [first, *rest]) == "once upon a time " * 20
+            assert rest[-1]["stop"] is True and rest[-1]["stop_type"] == "eos"
+            assert client.get("/health").status_code == 200
+            after = client.post("/completion", json=story)
+            assert after.status_code == 200 and after.json()["content"] == "once upon a time " * 20
+    finally:
+        loop.stop()

@@ -122,13 +122,13 @@ RESPONSES_REJECTED = [
     ({"context_management": [{"type": "compaction"}]}, "context_management", None),
     ({"moderation": {"model": "m"}}, "moderation", None),
     ({"text": {"format": {"type": "json_object"}}}, "text.format", None),
-    ({"include": ["reasoning.encrypted_content"]}, "include", None),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]", None),
     ({"background": True}, "background", None),
     ({"truncation": "auto"}, "truncation", None),
     ({"top_logprobs": 3}, "top_logprobs", None),
     ({"service_tier": "flex"}, "service_tier", None),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", None),
-    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "https://x"}]}, "tools[0].type", None),
+    ({"tools": [{"type": "shell"}]}, "tools[0].type", None),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice", None),
     ({"tools": [{"type": "custom", "name": "c"}]}, "tools[0].type", None),
     ({"tools": [{**RFN, "strict": True}]}, "tools[0].strict", None),
     ({"tools": [{**RFN, "defer_loading": True}]}, "tools[0].defer_loading", None),
@@ -180,7 +180,7 @@ def test_responses_neutral_values_are_accepted(http):
 def test_legacy_completions_refusals(http):
     for fields, param in [({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 2}, "logprobs"),
                           ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": 1}}, "logit_bias"),
-                          ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt")]:
+                          ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt[0]")]:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 0, "best_of": 1,

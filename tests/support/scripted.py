@@ -86,7 +86,7 @@ def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I hel
                       chat_template=builtin_template("qwen3_5"),
                       generation=GenerationDefaults(eos_token_ids=[eos]), source="scripted")
     template = ChatTemplate(ckpt.chat_template, eos_token="<|im_end|>")
-    config: EngineConfig = engine_config(args, 32768, "cpu", torch.float32)
+    config: EngineConfig = engine_config(args, args.max_context or 32768, "cpu", torch.float32)
     return assemble_state(args, ckpt, model, tok, template, config)
 
 
