@@ -21,23 +21,7 @@ import httpx
 from ..app.gpu_probe import plan_device, probe
 from ..app.launch import child_env, parse_options, resolve
 from ..app.plan import GiB
-from .shapes import SHAPES
-
-
-def random_checkpoint(name: str, path: Path) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    cfg = dict(SHAPES[name.lower()])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+from .shapes import random_checkpoint
 
 
 class Peak(threading.Thread):

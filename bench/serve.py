@@ -1,0 +1,277 @@
+"""Load through the HTTP server, next to the engine alone at the same batch, in one run.
+
+    python -m bench.serve [--shape qwen3.5-9b | --model PATH] [--streams 1,4,16,64]
+                          [--prompt-tokens 200] [--output-tokens 256] [--rate R] [--turns K]
+                          [--turn-tokens N] [--temperature T] [--direct-steps 32] [--json FILE]
+                          [-- NINFER-SERVE FLAGS ...]
+
+Starts ``ninfer-serve`` on a free port with the flags after ``--`` (``--max-concurrency`` the
+largest stream count unless given): the embedded model by default, ``--model`` a checkpoint, or
+``--shape`` a checkpoint of random bf16 weights at that real shape, written once by transformers
+with the vocabulary sized to the tokenizer the server gives it. For each stream count it warms the
+server up, then sends that many sessions through ``/completion`` (``ignore_eos``, streamed: each
+chunk names its tokens), all at once or starting at ``--rate`` per second (Poisson); a session of
+``--turns`` K sends the conversation again with the answer and a new user turn appended. Then,
+with the server stopped, it builds the same model with the same engine settings in this process
+and times decode steps at the same batch, so the table reads the HTTP total against what the
+engine alone gives. It prints the table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+from ninfer.engine.loader.embedded import EMBEDDED_MODEL_ID
+
+from .serve_load import Load, measure
+from .shapes import SHAPES, random_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``ninfer-serve`` as a child process in its own session, stopped by its own pid."""
+
+    def __init__(self, argv: list[str], timeout_s: float) -> None:
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.command = [sys.executable, "-m", "ninfer.server.cli", *argv, "--port", str(port)]
+        self.log = tempfile.NamedTemporaryFile(prefix="ninfer-bench-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ninfer-serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ninfer-serve not healthy after {timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def serve_argv(model: str | None, extra: list[str], streams: list[int]) -> list[str]:
+    """The server's command line: the model, the flags given, and the lanes the largest stream
+    count needs (the server takes 1..64) unless the flags set them."""
+    argv = ([model] if model else []) + list(extra)
+    if not any(a == "--max-concurrency" or a.startswith("--max-concurrency=") for a in extra):
+        argv += ["--max-concurrency", str(min(max(streams), 64))]
+    return argv
+
+
+def direct_engine(argv: list[str]):
+    """The engine ``ninfer-serve argv`` builds (same checkpoint, tokenizer, device, dtype and
+    engine settings), for this thread to step."""
+    from ninfer.engine.engine import LLMEngine
+    from ninfer.engine.loader import load_checkpoint, load_model
+    from ninfer.server import bootstrap
+    from ninfer.server.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    device = bootstrap.resolve_device(args.device)
+    dtype = bootstrap.resolve_dtype(args.dtype, device)
+    ckpt = load_checkpoint(args.model)
+    tokenizer = bootstrap.resolve_tokenizer(ckpt, args.tokenizer)
+    max_context = args.max_context or min(ckpt.config.max_position_embeddings, bootstrap.MAX_DEFAULT_CONTEXT)
+    config = bootstrap.engine_config(args, max_context, device, dtype)
+    return LLMEngine(load_model(ckpt, device, dtype), tokenizer, config)
+
+
+def engine_direct(argv: list[str], prompts: dict[int, list[list[int]]], steps: int, temperature: float) -> dict:
+    """Per stream count: decode tok/s of the engine alone with that many of the run's prompts
+    decoding (at most ``--max-concurrency``), ``steps`` steps timed after two warm ones."""
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+
+    from .decode import decode_step_s
+
+    engine, out = direct_engine(argv), {}
+
+    def timed(streams: int, ids: list[list[int]]) -> dict:
+        batch = min(streams, engine.config.max_concurrency)
+        out_tokens = steps + batch + 8  # the first request decodes while the later ones are prefilled
+        reqs = [Request(f"direct-{streams}-{i}", p, SamplingParams(temperature=temperature, max_tokens=out_tokens,
+                                                                     ignore_eos=True, seed=i),
+                        max_total_tokens=engine.config.max_context) for i, p in enumerate(ids[:batch])]
+        dt = decode_step_s(engine, reqs, steps)
+        for r in reqs:
+            engine.abort(r.request_id)
+        return {"batch": batch, "ms_per_step": dt * 1e3, "tok_s": batch / dt}
+
+    # stepped on a thread of its own, as the server's engine loop steps it (on the CPU, torch's
+    # intra-op threads ran several times slower under the main thread when the cores were busy)
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-direct") as thread:
+        for streams, ids in prompts.items():
+            out[streams] = thread.submit(timed, streams, ids).result()
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def _fmt(x: float | None, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if x is None else f"{x * scale:,.{digits}f}{unit}"
+
+
+def table(runs: list[dict]) -> str:
+    rows = ["| streams | total tok/s | per-stream tok/s | TTFT p50 | TTFT p99 | ITL p99 | engine-direct decode tok/s "
+            "| ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        d = r.get("engine_direct")
+        direct = f"{d['tok_s']:,.1f} (b={d['batch']})" if d else "-"
+        ratio = f"{r['total_tok_s'] / d['tok_s']:.2f}" if d else "-"
+        failed = f" ({r['failed']} of {r['requests']} failed)" if r["failed"] else ""
+        rows.append(f"| {r['streams']}{failed} | {r['total_tok_s']:,.1f} | {_fmt(r['per_stream_tok_s'], digits=1)} | "
+                    f"{_fmt(r['ttft_p50_s'], ' s')} | {_fmt(r['ttft_p99_s'], ' s')} | "
+                    f"{_fmt(r['itl_p99_s'], ' ms', 1e3, 1)} | {direct} | {ratio} |")
+    return "\n".join(rows)
+
+
+def _git() -> dict:
+    def git(*cmd: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": None if status is None else bool(status)}
+
+
+def device_name(argv: list[str]) -> str:
+    from ninfer.server import bootstrap
+    from ninfer.server.cli import build_parser
+
+    device = bootstrap.resolve_device(build_parser().parse_args(argv).device)
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
+
+
+def model_for(args: argparse.Namespace) -> str | None:
+    """The checkpoint to serve: ``--model``, a random one at ``--shape`` (the vocabulary of the
+    Qwen tokenizer the server takes for a checkpoint without its own), or None (the embedded one)."""
+    if args.shape is None:
+        return args.model
+    from ninfer.engine.frontend.qwen_tiktoken import load_qwen_tiktoken
+
+    vocab = load_qwen_tiktoken("qwen3.6").vocab_size
+    path = Path(args.checkpoint_dir) / f"{args.shape}-vocab{vocab}"
+    print(f"random checkpoint at the {args.shape} shape (vocabulary {vocab}): {path}", flush=True)
+    return str(random_checkpoint(args.shape, path, vocab))
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This bench's arguments (each checked, or the parser's error) and the flags for the server."""
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0],
+                                epilog="flags after -- go to ninfer-serve")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--shape", choices=sorted(SHAPES), help="serve random weights at this real shape")
+    which.add_argument("--model", help="checkpoint directory or .gguf file (default: the embedded model)")
+    p.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "ninfer-bench-checkpoints"),
+                   help="where --shape checkpoints are written and found again")
+    p.add_argument("--streams", default="1,4,16,64", help="concurrent sessions, one run each (comma-separated)")
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--rate", type=float, default=0.0, help="sessions started per second, Poisson (0: all at once)")
+    p.add_argument("--turns", type=int, default=1, help="requests per session, each with the conversation so far")
+    p.add_argument("--turn-tokens", type=int, default=32, help="tokens of each new user turn after the first")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, HTTP and engine alike")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the warm-up round (0: none)")
+    p.add_argument("--direct-steps", type=int, default=32, help="decode steps timed for the engine-direct figure")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server and for each chunk")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(own)
+    try:
+        args.stream_counts = [int(x) for x in args.streams.split(",") if x.strip()]
+        if not args.stream_counts or len(set(args.stream_counts)) != len(args.stream_counts):
+            raise ValueError(f"--streams {args.streams!r}: give each stream count once")
+        args.loads = [Load(n, args.prompt_tokens, args.output_tokens, args.turns, args.turn_tokens, args.rate,
+                           args.temperature, args.timeout) for n in args.stream_counts]
+        if args.direct_steps < 1 or args.warmup_tokens < 0:
+            raise ValueError("--direct-steps must be >= 1 and --warmup-tokens >= 0")
+    except ValueError as exc:
+        p.error(str(exc))
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parse(given)
+    model = model_for(args)
+    argv_server = serve_argv(model, extra, args.stream_counts)
+    device = device_name(argv_server)
+    label = model or f"{EMBEDDED_MODEL_ID} (embedded)"
+    runs = []
+    server = Server(argv_server, args.timeout)
+    try:
+        print(f"{label} on {device}: ninfer-serve {' '.join(argv_server)}; prompts {args.prompt_tokens} tokens, "
+              f"{args.output_tokens} out, {f'{args.rate:g}/s' if args.rate else 'all at once'}, "
+              f"{args.turns} turn(s)", flush=True)
+        for load in args.loads:
+            runs.append(asyncio.run(measure(server.base_url, load, f"s{load.streams}", args.warmup_tokens)))
+            print(table(runs[-1:]).splitlines()[-1], flush=True)
+    finally:
+        server.stop()
+    prompts = {r["streams"]: r.pop("prompts") for r in runs}
+    direct = engine_direct(argv_server, prompts, args.direct_steps, args.temperature)
+    for r in runs:
+        r["engine_direct"] = direct[r["streams"]]
+        r["ratio"] = r["total_tok_s"] / r["engine_direct"]["tok_s"]
+    print("\n" + table(runs), flush=True)
+    if args.json:
+        report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "model": label, "device": device,
+                  "torch": torch.__version__, "git": _git(), "command": ["python", "-m", "bench.serve", *given],
+                  "server_command": server.command, "args": {k: v for k, v in vars(args).items() if k != "loads"},
+                  "runs": runs}
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    if any(r["failed"] for r in runs):
+        print(f"failed requests: {sorted({e for r in runs for e in r['errors']})}; server log: {server.log.name}")
+        return 1
+    Path(server.log.name).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
