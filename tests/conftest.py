@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interp"]
 # Servers started through launchers/serve.sh keep the set-up the tests run in: on an NVIDIA machine
 # too, no test starts the GPU path's install (a CUDA torch, fla-core) in the tests' .venv.
 os.environ.setdefault("NINFER_GPU", "0")
+# Per-install files (the Responses reasoning key) go to a data directory of the test run's own,
+# not the home of whoever runs the tests; servers started as processes inherit it.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="ninfer-test-data-")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
