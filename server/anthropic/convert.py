@@ -13,6 +13,8 @@
   assistant turn (thinking off) and the text is appended, so generation continues it.
 - ``cache_control`` marks are validated (``ephemeral``, ttl 5m/1h, at most four breakpoints,
   request-level merged onto the last block) and then serve only as hints.
+- ``context_management`` edits are parsed here and applied when the prompt is built
+  (``context_edits.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..errors import invalid, unsupported
 from ..generation import template_options
 from ..openai_common import FunctionTool, function_tool, unique_names
 from ..state import ServerState
+from . import context_edits
 from .protocol import Block, MessagesRequest, Thinking, cache_mark, message_blocks, parse_thinking, \
     parse_tool_choice, system_blocks
 
@@ -40,10 +43,12 @@ class Lowered:
     thinking: Thinking
     prefill: str | None = None
     breakpoints: list[str] = field(default_factory=list)  # params of the accepted cache marks
+    edits: list[context_edits.Edit] | None = None  # None: the request has no context_management
 
 
 def lower(req: MessagesRequest, state: ServerState) -> Lowered:
     req.reject_unsupported()
+    edits = None if req.context_management is None else context_edits.parse(req.context_management)
     thinking = parse_thinking(req.thinking, req.max_tokens)
     declared = parse_tools(req.tools)
     callable_tools = declared if parse_tool_choice(req.tool_choice) == "auto" else []
@@ -79,7 +84,7 @@ def lower(req: MessagesRequest, state: ServerState) -> Lowered:
 
     options = _options(state, req, thinking, prefill is not None)
     breakpoints = check_breakpoints(marks, req, turns)
-    return Lowered(messages, callable_tools, options, thinking, prefill, breakpoints)
+    return Lowered(messages, callable_tools, options, thinking, prefill, breakpoints, edits)
 
 
 # ---------------------------------------------------------------------------- turns

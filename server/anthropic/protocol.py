@@ -35,7 +35,6 @@ NEEDS = {
 REFUSED_FIELDS = {
     "container": "code execution containers",
     "mcp_servers": "MCP connectors",
-    "context_management": "server-side context editing",
     "output_format": "structured outputs (constrained decoding)",
 }
 
@@ -63,6 +62,7 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    context_management: Any = None  # parsed in context_edits.py, so errors name the exact field
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     preserve_thinking: bool | None = None  # NInfer extension: keep the reasoning of closed turns

@@ -5,18 +5,19 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..answer import answer
+from ..json_body import JSONBodyRoute
 from ..state import state_of
 from . import serving
 from .errors import AnthropicEnvelope
 from .protocol import MessagesRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state = state_of(request)
-    prep = serving.PreparedMessages(body, state)
+    prep = await state.workers.run(serving.PreparedMessages, body, state)
     return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
                         lambda admitted, outputs: serving.stream(prep, admitted, outputs),
                         lambda outputs: serving.complete(prep, outputs))
@@ -24,7 +25,8 @@ async def messages(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesRequest, request: Request) -> JSONResponse:
-    return JSONResponse(serving.count_tokens(body, state_of(request)))
+    state = state_of(request)
+    return JSONResponse(await state.workers.run(serving.count_tokens, body, state))
 
 
 def install(app: FastAPI) -> None:

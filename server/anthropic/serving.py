@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from ...engine.frontend.assistant_output import AssistantOutputParser, ContentText, ReasoningText
 from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
-from ..generation import Sampling, check_context, render_prompt, sampling_params, thinking_control
+from ..generation import Sampling, check_prompt, render_prompt, sampling_params, thinking_control
 from ..openai_common import new_id
 from ..state import ServerState
 from ..streaming import sse_event
+from . import context_edits
 from .convert import Lowered, lower
 from .errors import error_body
 from .protocol import MessagesRequest
@@ -31,25 +33,44 @@ def signature(thinking: str) -> str:
     return base64.b64encode(SIGNATURE_PREFIX + hashlib.sha256(thinking.encode()).digest()).decode()
 
 
-def build_prompt(state: ServerState, low: Lowered) -> tuple[str, list[int]]:
+@dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+    applied: list[dict[str, Any]]  # context edits, as ``context_management.applied_edits`` reports them
+    original_tokens: int  # before the edits
+
+
+def build_prompt(state: ServerState, low: Lowered) -> Prompt:
     tools = [t.template for t in low.tools]
-    text, ids = render_prompt(state, low.messages, tools, low.options)
-    if low.prefill is not None:
-        text += low.prefill
-        ids = state.tokenizer.encode(text)
-    return text, ids
+
+    def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        text, ids = render_prompt(state, messages, tools, low.options)
+        if low.prefill is not None:
+            text += low.prefill
+            ids = state.tokenizer.encode(text)
+        return text, ids
+
+    return Prompt(*context_edits.apply(low.edits or [], low.messages, render))
 
 
-def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, int]:
-    _, ids = build_prompt(state, lower(req, state))
-    return {"input_tokens": len(ids)}
+def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, Any]:
+    low = lower(req, state)
+    prompt = build_prompt(state, low)
+    out: dict[str, Any] = {"input_tokens": len(prompt.ids)}
+    if low.edits is not None:
+        out["context_management"] = {"original_input_tokens": prompt.original_tokens}
+    return out
 
 
 class PreparedMessages:
     def __init__(self, req: MessagesRequest, state: ServerState) -> None:
         low = lower(req, state)
-        text, ids = build_prompt(state, low)
-        check_context(state, len(ids))
+        prompt = build_prompt(state, low)
+        text, ids = prompt.text, prompt.ids
+        check_prompt(state, ids)
+        # what the response reports: present when the request asked for context management
+        self.context_management = None if low.edits is None else {"applied_edits": prompt.applied}
         max_tokens = req.max_tokens if req.max_tokens is not None else state.default_max_tokens
         if low.thinking.budget is not None and max_tokens is not None and low.thinking.budget >= max_tokens:
             raise APIError(400, f"thinking.budget_tokens ({low.thinking.budget}) must be less than the output "
@@ -164,14 +185,18 @@ async def complete(prep: PreparedMessages, outputs: AsyncIterator[RequestOutput]
     builder.close()
     assert final is not None and final.finished
     reason, sequence = prep.stop(final, builder.calls > 0)
-    return {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": builder.blocks,
+    body = {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": builder.blocks,
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(final)}
+    if prep.context_management is not None:
+        body["context_management"] = prep.context_management
+    return body
 
 
 async def stream(prep: PreparedMessages, admitted: RequestOutput, outputs: AsyncIterator[RequestOutput]
                  ) -> AsyncIterator[str]:
     """message_start (usage as admitted), ping, the blocks' start / delta / stop events,
-    message_delta (stop reason, cumulative usage), message_stop; an ``error`` event on failure."""
+    message_delta (stop reason, cumulative usage, applied context edits), message_stop; an
+    ``error`` event on failure."""
     parser, builder = prep.parser(), BlockBuilder()
     start = {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": usage(admitted, 0)}
@@ -189,9 +214,11 @@ async def stream(prep: PreparedMessages, admitted: RequestOutput, outputs: Async
                 for name, body in builder.close():
                     yield sse_event(name, body)
                 reason, sequence = prep.stop(out, builder.calls > 0)
-                yield sse_event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                  "usage": usage(out)})
+                delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                         "usage": usage(out)}
+                if prep.context_management is not None:
+                    delta["context_management"] = prep.context_management
+                yield sse_event("message_delta", delta)
                 yield sse_event("message_stop", {"type": "message_stop"})
     except APIError as exc:
         _, body = error_body(exc.status, exc.body(), None)
