@@ -14,7 +14,7 @@ from ninfer.engine.frontend.hf_tokenizer import HFTokenizer
 from ninfer.engine.frontend.qwen_tiktoken import load_qwen_tiktoken
 from ninfer.engine.loader import load_checkpoint
 from ninfer.engine.loader.embedded import EmbeddedModelMissing, embedded_model_path
-from support.tiny import train_tokenizer
+from support.tiny import longest_token_text, train_tokenizer
 
 PIECES = ["the", " quick", " brown", "fox", "12345", "9", " ", "   ", "\n", "\n\n    ", "\t", ",", ";", "!!",
           "你好", "世界", "😀", "🚀", "é", "e\u0301", "\u1100\u1161\u11a8", "한국어", "Ω", "\u2126",
@@ -37,19 +37,6 @@ def tokenizer(request):
     if request.param == "qwen":
         return load_qwen_tiktoken("qwen3.6")
     return HFTokenizer(train_tokenizer(), eos_token="<|im_end|>")
-
-
-def longest_token_text(tok) -> str:
-    """The text of the token with the most bytes (one that is whole UTF-8 text on its own)."""
-    best = ""
-    for i in range(tok.vocab_size):
-        try:
-            text = tok.token_bytes(i).decode("utf-8")
-        except (KeyError, UnicodeDecodeError):
-            continue
-        if len(text.encode()) > len(best.encode()):
-            best = text
-    return best
 
 
 def test_the_floor_never_exceeds_the_count(tokenizer):

@@ -7,9 +7,7 @@ import time
 import httpx
 import pytest
 
-from ninfer.server.app import create_app
-from support.live_server import LiveServer
-from support.scripted import scripted_state
+from support.scripted import scripted_servers
 from support.waiting import wait_for
 
 LONG = "word " * 400
@@ -19,22 +17,14 @@ def body(stream: bool = True) -> dict:
     return {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "stream": stream}
 
 
+def slow_steps(state) -> None:
+    state.engine.loop.engine.model.step_delay = 0.02
+
+
 @pytest.fixture
 def serve():
-    started = []
-
-    def start(*cli_args: str):
-        state, loop = scripted_state({}, LONG, *cli_args)
-        state.engine.loop.engine.model.step_delay = 0.02
-        loop.start()
-        server = LiveServer(create_app(state)).__enter__()
-        started.append((server, loop))
-        return server, state
-
-    yield start
-    for server, loop in started:
-        server.__exit__(None, None, None)
-        loop.stop()
+    with scripted_servers(LONG, slow_steps) as start:
+        yield start
 
 
 def hold_stream(url: str, opened: threading.Event, release: threading.Event) -> None:

@@ -8,26 +8,14 @@ import re
 import httpx
 import pytest
 
-from ninfer.server.app import create_app
-from support.live_server import LiveServer
-from support.scripted import scripted_state
+from support.scripted import scripted_servers
+from support.tiny import longest_token_text
 
 
 @pytest.fixture
 def serve():
-    started = []
-
-    def start(*cli_args: str):
-        state, loop = scripted_state({}, "Hi.", *cli_args)
-        loop.start()
-        server = LiveServer(create_app(state)).__enter__()
-        started.append((server, loop))
-        return server, state
-
-    yield start
-    for server, loop in started:
-        server.__exit__(None, None, None)
-        loop.stop()
+    with scripted_servers("Hi.") as start:
+        yield start
 
 
 @pytest.fixture
@@ -42,18 +30,6 @@ def encoded(monkeypatch):
         return lengths
 
     return install
-
-
-def longest_token_text(tok) -> str:
-    best = ""
-    for i in range(tok.vocab_size):
-        try:
-            text = tok.token_bytes(i).decode("utf-8")
-        except (KeyError, UnicodeDecodeError):
-            continue
-        if len(text.encode()) > len(best.encode()):
-            best = text
-    return best
 
 
 def refused(r: httpx.Response, param: str) -> str:

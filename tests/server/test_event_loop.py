@@ -10,9 +10,7 @@ import time
 import httpx
 import pytest
 
-from ninfer.server.app import create_app
-from support.live_server import LiveServer
-from support.scripted import scripted_state
+from support.scripted import scripted_servers
 
 ANSWER = "word " * 4000  # long enough to outlast the measurement
 RELEASES, RELEASE_S = 40, 0.0005  # a step gives up the GIL and takes it back 40 times: about 25 ms
@@ -35,20 +33,8 @@ def gil_hungry(model) -> None:
 
 @pytest.fixture
 def serve():
-    started = []
-
-    def start(*cli_args: str):
-        state, loop = scripted_state({}, ANSWER, *cli_args)
-        gil_hungry(state.engine.loop.engine.model)
-        loop.start()
-        server = LiveServer(create_app(state)).__enter__()
-        started.append((server, loop))
-        return server, state
-
-    yield start
-    for server, loop in started:
-        server.__exit__(None, None, None)
-        loop.stop()
+    with scripted_servers(ANSWER, lambda state: gil_hungry(state.engine.loop.engine.model)) as start:
+        yield start
 
 
 def big_text(size: int) -> str:

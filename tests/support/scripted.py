@@ -9,6 +9,8 @@ script continues after its own ``</think>``.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -102,3 +104,30 @@ def record_prompts(state) -> list[str]:
 
     model._choose = recording
     return prompts
+
+
+@contextmanager
+def scripted_servers(default: str, prepare: Callable | None = None) -> Iterator[Callable]:
+    """``start(*cli_args) -> (LiveServer, ServerState)``: live servers of a ScriptedLM answering
+    ``default``, each stopped on exit; ``prepare(state)`` runs before its engine starts."""
+    from ninfer.server.app import create_app
+
+    from .live_server import LiveServer
+
+    started = []
+
+    def start(*cli_args: str):
+        state, loop = scripted_state({}, default, *cli_args)
+        if prepare is not None:
+            prepare(state)
+        loop.start()
+        server = LiveServer(create_app(state)).__enter__()
+        started.append((server, loop))
+        return server, state
+
+    try:
+        yield start
+    finally:
+        for server, loop in started:
+            server.__exit__(None, None, None)
+            loop.stop()

@@ -120,3 +120,16 @@ def save_tiny_qwen3_5_padded_vocab(path: Path, seed: int = 0) -> Path:
         head[QWEN_TOKENIZER_IDS:] = size * torch.nn.functional.normalize(extra, dim=1)
     model.save_pretrained(path)
     return path
+
+
+def longest_token_text(tok) -> str:
+    """The text of the token with the most bytes (one that is whole UTF-8 text on its own)."""
+    best = ""
+    for i in range(tok.vocab_size):
+        try:
+            text = tok.token_bytes(i).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            continue
+        if len(text.encode()) > len(best.encode()):
+            best = text
+    return best
