@@ -226,7 +226,6 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     """Render, tokenize and check one chat request; ``tools`` are rendered in the prompt,
     ``tool_specs`` are what the output parser may turn into calls."""
     sampling = sampling or Sampling()
-    messages = lower_roles(messages)
     text, ids = render_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
     check_prompt(state, ids, prompt_param)
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens

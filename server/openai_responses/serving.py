@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
-from ..generation import Sampling, check_prompt, lower_roles, prepare, render_prompt, template_options
+from ..generation import Sampling, check_prompt, prepare, render_prompt, template_options
 from ..openai_common import callable_tools, check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
@@ -66,7 +66,7 @@ class PreparedResponse:
 def count_input_tokens(req: InputTokensRequest, state: ServerState) -> tuple[dict[str, Any], list[str]]:
     """The input-token count object, and the hosted tool types left out of the prompt."""
     p = PreparedResponse(req, state)
-    _, ids = render_prompt(state, lower_roles(p.messages), [t.template for t in p.tools], p.options, "input",
+    _, ids = render_prompt(state, p.messages, [t.template for t in p.tools], p.options, "input",
                            fit=True)
     check_prompt(state, ids, "input")
     return {"object": "response.input_tokens", "input_tokens": len(ids)}, p.omitted_tools
