@@ -92,7 +92,8 @@ def bytes_per_step(cfg, batch: int, context: int) -> float:
     return weights + state + kv
 
 
-def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda"):
+def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
+            prefill_chunk: int | None = None):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -105,7 +106,7 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     fuse_model_projections(model)
     out = steps + max_batch  # a request also decodes while the later ones are prefilled
     max_ctx = max(context + out + 96, prefill_max + 16)
-    ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch, prefill_chunk=max(prefill_max, 2048),
+    ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch, prefill_chunk=prefill_chunk or max(prefill_max, 2048),
                         kv_capacity=max_batch * (context + out + 32) + max_ctx, page_size=16,
                         host_cache_mib=0, device=device, dtype=dtype)
     return LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
@@ -159,9 +160,9 @@ def decode_step_s(engine, reqs, steps: int) -> float:
 
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
-               device: str = "cuda") -> dict:
+               device: str = "cuda", prefill_chunk: int | None = None) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
-    engine = _engine(cfg, max(batches), context, steps, max(prefills), device)
+    engine = _engine(cfg, max(batches), context, steps, max(prefills), device, prefill_chunk)
     out: dict = {"decode": {}, "prefill": {}}
     for b in batches:
         reqs = _requests(b, context, steps + b + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
@@ -371,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--prefill", default="512,16384")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per step (default: each prompt in one step; the server's default is 2048)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--hf-batches", default="1,8", help="batch sizes for the transformers peer")
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
@@ -390,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings()
     results = {}
     for name in args.shape:
-        results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps)}
+        results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
+                                                 prefill_chunk=args.prefill_chunk)}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

@@ -20,7 +20,7 @@ import torch
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
 from .decode_advance import advance_reference, advance_triton
-from .models.base import CausalLM, DecodeMeta, ForwardBatch
+from .models.base import CausalLM, ForwardBatch, StepMeta
 from .request import Request
 from .runner import sampled_logits
 
@@ -162,12 +162,12 @@ class CudaGraphDecoder:
         return True
 
     def _batch(self, b: int) -> ForwardBatch:
-        meta = DecodeMeta(
+        meta = StepMeta(
             kv=self.caches.kv, states=self.caches.states, attn_ordinal=self.caches.attn_ordinal,
             gdn_ordinal=self.caches.gdn_ordinal, block_tables=self.block_tables[:b],
             context_lens=self.context_lens[:b], write_index=self.write_index[:b], slot_ids=self.slot_ids[:b],
         )
-        return ForwardBatch(positions=self.positions[:b], seq_lens=[1] * b, caches=[], decode=meta)
+        return ForwardBatch(positions=self.positions[:b], seq_lens=[1] * b, caches=[], step=meta)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -46,10 +46,11 @@ class LLMEngine:
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20)
         self.scheduler = Scheduler(config, self.caches)
-        self.runner = ModelRunner(model, self.device, self.caches, config.batched_decode, self.token_limit)
+        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
+        self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
         self.counters = EngineCounters()  # read lock-free by /metrics and /stats
 
@@ -121,7 +122,7 @@ class LLMEngine:
         admitted, no sampling that needs the token history, no thinking budget about to force its
         close tokens, and cache room for one more token."""
         reqs = [r for r, wanted in zip(launched.ready, launched.still_wanted()) if wanted]
-        if not (self.config.overlap and launched.decode and reqs) or self.scheduler.waiting:
+        if not (self.overlap and launched.decode and reqs) or self.scheduler.waiting:
             return None
         if len(self.scheduler.running) != len(reqs) or \
                 any(uses_history(r.params) or thinking.may_force_next(r) for r in reqs):

@@ -16,15 +16,19 @@ GDN_CHUNK = 64
 class EngineConfig:
     max_context: int = 8192  # prompt + output tokens per request
     max_concurrency: int = 4  # active sequences, each holding one state slot
-    prefill_chunk: int = 2048  # prompt tokens per step
+    prefill_chunk: int = 2048  # prompt tokens of one request per step
+    # tokens per step over all rows: decode rows first (always), then prompt chunks of as many
+    # requests as fit, oldest first (None = prefill_chunk)
+    max_batched_tokens: int | None = None
     kv_capacity: int | None = None  # tokens in the KV pool; None = sized from free memory
     page_size: int = 16  # tokens per KV page
     host_cache_mib: int = 1024  # host memory for snapshots of paused requests
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
-    batched_decode: bool | None = None  # one forward over the pools per decode step (None = on CUDA)
-    overlap: bool = True  # launch the next decode step before reading this one's tokens (batched decode)
+    # launch the next decode step before reading this one's tokens (None = on CUDA, where the
+    # device runs on while the host reads; on a CPU the launch is the computation itself)
+    overlap: bool | None = None
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
@@ -33,6 +37,7 @@ class EngineConfig:
             ("max_context", self.max_context >= 16, "must be >= 16"),
             ("max_concurrency", 1 <= self.max_concurrency <= 64, "must be between 1 and 64"),
             ("prefill_chunk", self.prefill_chunk >= 16, "must be >= 16"),
+            ("max_batched_tokens", self.max_batched_tokens is None or self.max_batched_tokens >= 16, "must be >= 16"),
             ("kv_capacity", self.kv_capacity is None or self.kv_capacity >= self.max_context,
              f"must hold at least one request of max_context ({self.max_context}) tokens"),
             ("page_size", 1 <= self.page_size <= 1024, "must be between 1 and 1024"),
@@ -44,14 +49,20 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+    @property
+    def step_tokens(self) -> int:
+        """The step's token budget (``max_batched_tokens``, or ``prefill_chunk`` when unset)."""
+        return self.prefill_chunk if self.max_batched_tokens is None else self.max_batched_tokens
+
     def check_for_model(self, model: ModelConfig) -> None:
         """Settings that depend on the model's shape; a ValueError names the flag and the
         largest value that works."""
         limit = max_prefill_chunk(model)
-        if self.prefill_chunk > limit:
-            raise ValueError(f"prefill_chunk {self.prefill_chunk} is too long for this model: a chunk's "
-                             f"widest tensor would reach 2^31 elements; the largest that works is {limit} "
-                             f"(--prefill-chunk)")
+        for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
+                                  ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):
+            if value > limit:
+                raise ValueError(f"{name} {value} is too long for this model: a step's widest tensor would "
+                                 f"reach 2^31 elements; the largest that works is {limit} ({flag})")
 
 
 def max_prefill_chunk(model: ModelConfig) -> int:

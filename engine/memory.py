@@ -26,10 +26,12 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
-    """Activations of one prefill chunk, generously: a few hidden-sized and one logits-sized buffer."""
+    """Activations of one step's tokens (its budget plus a token per decoding row), generously: a
+    few hidden-sized and one logits-sized buffer."""
     elt = torch.empty((), dtype=config.dtype).element_size()
     inter = max(model.intermediate_size, model.moe_intermediate_size * max(model.num_experts_per_tok, 1))
-    return config.prefill_chunk * (8 * model.hidden_size + 3 * inter) * elt + config.max_concurrency * model.vocab_size * 4
+    tokens = max(config.prefill_chunk, config.step_tokens) + config.max_concurrency
+    return tokens * (8 * model.hidden_size + 3 * inter) * elt + config.max_concurrency * model.vocab_size * 4
 
 
 def plan_kv_pages(model: ModelConfig, config: EngineConfig) -> int:

@@ -1,9 +1,10 @@
 """The Runner: turns a step's plan into one model forward and the sampled tokens.
 
 It owns the physical side of a step (input tensors, the forward, logits, sampling). The engine
-decides what runs; the runner decides how. Decode-only steps on CUDA run as one batched forward
-over the pools (``DecodeMeta``), replayed from a CUDA graph when one was captured for the batch
-size; everything else runs eagerly with per-sequence attention and recurrence.
+decides what runs; the runner decides how. Every step is one forward over the shared pools,
+described by one flat ``StepMeta`` (``step.py``): decode rows and prompt chunks of several
+requests together. A step of decode rows only is replayed from a CUDA graph when one was captured
+for its batch size; every other step runs eagerly, batched all the same.
 
 A step is *launched* (``launch``) and its tokens *read* later (``Launched.read``): the tokens stay
 on the device until then, so the next decode step can be launched from them (``launch_next``)
@@ -14,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from .cache.manager import CacheManager
-from .decode_meta import build_decode_meta
-from .models.base import CausalLM, ForwardBatch
+from .models.base import CausalLM
 from .request import Request
 from .sampler import sample_tokens
+from .step import build_step
 
 
 class Launched:
@@ -56,15 +57,14 @@ class Launched:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, caches: CacheManager | None = None,
-                 batched_decode: bool | None = None, vocab: int | None = None) -> None:
+    def __init__(self, model: CausalLM, device: torch.device, caches: CacheManager,
+                 vocab: int | None = None) -> None:
         self.model = model
         self.device = device
         self.caches = caches
         # ids the sampler may pick: the first ``vocab`` logits (a checkpoint's LM head may have
         # rows past its tokenizer's last id; None = every row)
         self.vocab = vocab
-        self.batched_decode = (device.type == "cuda") if batched_decode is None else batched_decode
         self.graphs = None  # CudaGraphDecoder, when captured
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._turn = 0
@@ -85,11 +85,9 @@ class ModelRunner:
         """``execute`` without reading the tokens back."""
         with torch.inference_mode():
             reqs = [r for r, _ in plan]
-            if self.batched_decode and self.caches is not None and all(n == 1 for _, n in plan) and \
-                    all(r.decode_ready for r in reqs):
+            if all(n == 1 for _, n in plan) and all(r.decode_ready for r in reqs):
                 return self._launch_decode(plan, reqs, None)
-            ready, logits = self._eager(plan)
-            return self._launched(plan, ready, logits, decode=False)
+            return self._launch_step(plan)
 
     def launch_next(self, prev: Launched, reqs: list[Request]) -> Launched:
         """The decode step after ``prev`` (a batched decode step) for ``reqs``, all of them in
@@ -134,35 +132,21 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(reqs):
             logits, greedy = self.graphs.run(reqs, ids, follow)
         else:
-            meta = build_decode_meta(reqs, self.caches, self.device)
-            positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
-            if ids is None:
-                ids = torch.tensor([r.token_at(r.num_computed) for r in reqs], dtype=torch.long, device=self.device)
-            batch = ForwardBatch(positions=positions, seq_lens=[1] * len(reqs), caches=[], decode=meta)
-            logits = sampled_logits(self.model, self.model(ids, batch), self.vocab)
-        for r in reqs:
+            step = build_step([(r, 1) for r in reqs], self.caches, self.device, ids)
+            return sampled_logits(self.model, self.model(step.input_ids, step.batch), self.vocab), None
+        for r in reqs:  # the model's forward counts them in; a replayed graph does not
             r.cache.num_tokens += 1
         return logits, greedy
 
-    def _eager(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
-        ids, positions = [], []
-        for req, n in plan:
-            ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
-            positions.extend(range(req.num_computed, req.num_computed + n))
-        batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            seq_lens=[n for _, n in plan],
-            caches=[req.cache for req, _ in plan],
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
-        rows, ready, end = [], [], 0
-        for req, n in plan:
-            end += n
+    def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
+        """Any step, eager: one forward over every row, the logits of the rows that reach their
+        next token only."""
+        step = build_step(plan, self.caches, self.device)
+        hidden = self.model(step.input_ids, step.batch)
+        for req, n in step.plan:
             req.num_computed += n
-            if req.num_computed == req.num_tokens:  # everything known is computed: sample
-                rows.append(end - 1)
-                ready.append(req)
-        return ready, (sampled_logits(self.model, hidden[rows], self.vocab) if rows else None)
+        logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
+        return self._launched(plan, step.sampled, logits, decode=False)
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

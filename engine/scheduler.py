@@ -1,5 +1,6 @@
-"""Who runs this step: FIFO admission, one token per decoding sequence, one prefill chunk, and
-preemption of the youngest request when the KV pool runs out.
+"""Who runs this step: FIFO admission, then a token budget per step (``max_batched_tokens``): every
+decoding sequence's token first, then prompt chunks of as many prefilling requests as fit, oldest
+first; preemption of the youngest request when the KV pool runs out.
 
 The scheduler changes only queue membership, request status and cache ownership; the engine runs
 the model on what it returns.
@@ -66,15 +67,21 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         self._admit()
         plan: list[tuple[Request, int]] = []
-        for req in list(self.running):
+        budget = self.config.step_tokens
+        for req in list(self.running):  # decode rows first, whatever the budget: decode never starves
             if req.status is Status.DECODE:  # usually one token; more after forced tokens
                 n = max(1, min(req.num_uncomputed, self.config.prefill_chunk))
-            elif req.status is Status.PREFILL and not any(r.status is Status.PREFILL for r, _ in plan):
-                n = min(req.num_uncomputed, self.config.prefill_chunk)
-            else:
-                continue
-            if self._reserve(req, req.num_computed + n, plan):
-                plan.append((req, n))
+                if self._reserve(req, req.num_computed + n, plan):
+                    plan.append((req, n))
+                    budget -= n
+        for req in list(self.running):  # then prompt chunks in admission order while the budget lasts
+            if budget <= 0:
+                break
+            if req.status is Status.PREFILL:  # (not if paused above to make room)
+                n = min(req.num_uncomputed, self.config.prefill_chunk, budget)
+                if self._reserve(req, req.num_computed + n, plan):
+                    plan.append((req, n))
+                    budget -= n
         return plan
 
     def _admit(self) -> None:

@@ -139,6 +139,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         max_context=max_context,
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
+        max_batched_tokens=args.max_batched_tokens,
         kv_capacity=None if args.kv_capacity == "auto" else int(args.kv_capacity),
         page_size=args.kv_page_size,
         host_cache_mib=args.host_cache_mib,

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per engine step")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="tokens per engine step over all requests: every decoding request's token, then "
+                        "prompt chunks of as many waiting requests as fit (default: --prefill-chunk)")
     p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                    help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
     p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")

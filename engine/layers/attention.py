@@ -2,8 +2,9 @@
 
 Options: per-head ``q_norm``/``k_norm`` (Qwen3: plain RMSNorm, Qwen3.5: zero-centred) and an output
 gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * sigmoid(gate))``).
-Projections, norms and RoPE run on the whole flat token run; the attention itself runs per sequence
-against that sequence's cache.
+Projections, norms and RoPE run on the whole flat token run. In an engine step (``batch.step``)
+the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
+reference path it runs per sequence against that sequence's cache.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.paged import PagedSequenceCache
 from .fused_linear import NormFusedInput, decode_linear, fuse_linears, split_linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
+from .prefill_attention import prefill_attention
 from .rotary import RotaryEmbedding
 from .triton_switch import on_triton
 
@@ -124,34 +125,62 @@ class Attention(NormFusedInput, nn.Module):
     def _from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """From the projections ``[N, *]`` to the output projection's result ``[N, hidden]``."""
         n = q.shape[0]
-        if batch.decode is not None and on_triton(q):
-            out = self._decode_fused(q, k, v, batch.positions, batch.decode)
+        if batch.step is not None:
+            out = self._over_pools(q, k, v, batch.positions, batch.step)
             return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
-        if on_triton(q) and batch.caches and all(isinstance(c, PagedSequenceCache) for c in batch.caches):
-            return self._o_proj(self._prefill_fused(q, k, v, batch).reshape(n, self.num_heads * self.head_dim))
+        q, k, v, gate = self._prepare(q, k, v, batch.positions)
+        parts = []
+        for (start, end), cache in zip(batch.slices, batch.caches):
+            keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
+            parts.append(attend(q[start:end], keys, values, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def _prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The torch path's q ``[N, H, D]`` and k ``[N, Hkv, D]`` normed and rotated, v
+        ``[N, Hkv, D]``, and the output gate ``[N, H, D]`` (gated attention) or None."""
+        n = q.shape[0]
         gate = None
         if self.gated:  # rows per head: [q(head_dim) | gate(head_dim)]
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-            gate = gate.reshape(n, self.num_heads * self.head_dim)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(positions, q, k)
+        return q, k, v, gate
 
-        if batch.decode is not None:
-            out = self._decode(q, k, v, batch.decode)
+    def _over_pools(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    meta) -> torch.Tensor:
+        """A step over the pools (``StepMeta``): every new token's K/V written into its pages, then
+        the decode rows through the split-K decode kernel and the prompt rows through the varlen
+        prompt kernel, both reading K/V in place; ``[N, H, D]`` with the output gate applied. With
+        Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
+        path is its reference."""
+        a = meta.attn_ordinal[self.layer_idx]
+        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
+        if on_triton(q):
+            gate = self._gate(q)
+            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         else:
-            parts = []
-            for (start, end), cache in zip(batch.slices, batch.caches):
-                keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
-                parts.append(attend(q[start:end], keys, values, self.scale))
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = out.reshape(n, self.num_heads * self.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self._o_proj(out)
+            q, k, v, gate = self._prepare(q, k, v, positions)
+            rows = k_pages.view(-1, self.num_kv_heads, self.head_dim)
+            rows.index_copy_(0, meta.write_index, k.to(rows.dtype))
+            v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.write_index, v.to(rows.dtype))
+        d, prompt = meta.num_decode, meta.prompt
+        parts = []
+        if d:
+            parts.append(paged_decode_attention(q[:d], k_pages, v_pages, meta.block_tables[:d],
+                                                meta.context_lens[:d], self.scale, None if gate is None else gate[:d]))
+        if prompt is not None:
+            parts.append(prefill_attention(q[d:], k_pages, v_pages, meta.block_tables[d:], prompt.cu_seqlens,
+                                           meta.context_lens[d:], prompt.max_seqlen, self.scale,
+                                           None if gate is None else gate[d:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
         return decode_linear(out, self.o_proj.weight, self.o_proj.bias)
@@ -159,17 +188,6 @@ class Attention(NormFusedInput, nn.Module):
     def fuse_projections(self) -> bool:
         self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         return self._fused is not None
-
-    def _decode_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      meta) -> torch.Tensor:
-        """The decode step from the raw projections in two Triton launches: q/k norm + RoPE +
-        K/V write (``attention_triton.py``), then paged attention whose merge applies the output
-        gate. The torch path of ``forward`` + ``_decode`` is its reference."""
-        a = meta.attn_ordinal[self.layer_idx]
-        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
-        q_rot = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
-        return paged_decode_attention(q_rot, k_pages, v_pages, meta.block_tables, meta.context_lens,
-                                      self.scale, self._gate(q))
 
     def _gate(self, q: torch.Tensor) -> torch.Tensor | None:
         """The output gate ``[N, H, D]`` interleaved in the raw query rows (gated attention), a view."""
@@ -187,25 +205,3 @@ class Attention(NormFusedInput, nn.Module):
             None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
             norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
             write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim)
-
-    def _prefill_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       batch: ForwardBatch) -> torch.Tensor:
-        """Prompt tokens on paged caches: the decode step's q/k norm + RoPE + K/V write kernel over
-        every new token, then causal attention per sequence over its pages, then the output gate.
-        The torch path of ``forward`` is its reference."""
-        caches = batch.caches
-        k_pages, v_pages = caches[0].kv_pages(self.layer_idx)
-        q_rot = self._qkv_fused(q, k, v, batch.positions, batch.kv_write_rows(q.device), k_pages, v_pages)
-        parts = [attend(q_rot[s:e], *c.gather_kv(self.layer_idx, c.num_tokens + e - s), self.scale)
-                 for (s, e), c in zip(batch.slices, caches)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out * torch.sigmoid(self._gate(q)) if self.gated else out
-
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        """One token per sequence: write K/V into the pool, then paged attention for the batch."""
-        a = meta.attn_ordinal[self.layer_idx]
-        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
-        rows = k_pages.view(-1, self.num_kv_heads, self.head_dim)
-        rows.index_copy_(0, meta.write_index, k.to(rows.dtype))
-        v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.write_index, v.to(rows.dtype))
-        return paged_decode_attention(q, k_pages, v_pages, meta.block_tables, meta.context_lens, self.scale)

@@ -114,11 +114,11 @@ class NormFusedInput:
     """For a token mixer with a fused input projection (``_fused``, its parts ``_sizes``) and
     ``_from_projections(*parts, batch)``: ``forward_residual(x, residual, norm, batch)`` is
     ``(self(norm(residual + x)), residual + x)``, ``norm`` the layer's ``input_layernorm``; in a
-    decode step the add + norm ride in the input projection (``norm_linear``)."""
+    step of decode rows only the add + norm ride in the input projection (``norm_linear``)."""
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                          batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch.decode is None or self._fused is None:
+        if batch.step is None or batch.step.prompt is not None or self._fused is None:
             hidden, residual = norm(x, residual)
             return self(hidden, batch), residual
         proj, residual = norm_linear(x, residual, norm, self._fused)

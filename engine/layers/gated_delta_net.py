@@ -1,9 +1,11 @@
 """Gated DeltaNet token mixer (``linear_attn``) of Qwen3.5 and Qwen3-Next, with HF parameter names.
 
 Projections, the gated output norm and ``out_proj`` run on the whole flat token run; the causal
-conv and the recurrence run per sequence, continuing from that sequence's cache:
-``cache.conv_states[layer]`` holds the raw (pre-conv) qkv rows of the last ``kernel - 1`` tokens
-``[W-1, conv_dim]`` and ``cache.recurrent_states[layer]`` the fp32 state ``[Hv, K, V]``.
+conv and the recurrence continue from each sequence's state: the raw (pre-conv) qkv rows of the
+last ``kernel - 1`` tokens ``[W-1, conv_dim]`` and the fp32 state ``[Hv, K, V]``. In an engine
+step (``batch.step``) the states live in the pool's slots and every row runs in one call per
+kernel on CUDA (decode rows through the fused step kernel, prompt rows through fla-core's varlen
+kernels); on the reference path they live in each sequence's ``SequenceCache``.
 
 Qwen3.5 stores four projections (``in_proj_qkv`` = [Q all heads | K | V], ``in_proj_z``,
 ``in_proj_b``, ``in_proj_a``). Qwen3-Next (:class:`Qwen3NextGatedDeltaNet`) fuses them as
@@ -28,6 +30,8 @@ from .gdn_ops import (
     prefill_gated_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_step_batched,
+    varlen_conv1d_fla,
+    varlen_gated_delta_rule,
 )
 
 if TYPE_CHECKING:
@@ -126,14 +130,21 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         return (qkv,), z, b, a
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each cache's states."""
-        n = hidden.shape[0]
-        if batch.decode is not None:
+        """``hidden`` ``[N, hidden]`` for the flat run -> ``[N, hidden]``; updates each row's states."""
+        if batch.step is not None and batch.step.prompt is None:
             return self._from_projections(*self.project(hidden), batch)
         groups, z, b, a = self.project_parts(hidden)
+        if batch.step is not None:
+            return self._over_slots(groups, z, b, a, batch.step)
+        n = hidden.shape[0]
         g, beta = self._gates(a, b)
-        parts = [self._mix_sequence(tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache).to(hidden.dtype)
-                 for (s, e), cache in zip(batch.slices, batch.caches) if e > s]
+        parts = []
+        for (s, e), cache in zip(batch.slices, batch.caches):
+            if e > s:
+                i = self.layer_idx
+                o, cache.conv_states[i], cache.recurrent_states[i] = self._mix_tokens(
+                    tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache.conv_states[i], cache.recurrent_states[i])
+                parts.append(o.to(hidden.dtype))
         out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
             hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
@@ -141,47 +152,109 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
 
     def _from_projections(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
-        """A decode step (one token per sequence) from the input projections -> ``[N, hidden]``."""
-        if on_triton(qkv):
-            return decode_linear(self._decode_fused(qkv, z, a, b, batch.decode), self.out_proj.weight)
-        g, beta = self._gates(a, b)
-        out = self._decode(qkv, g, beta, batch.decode)
+        """A step of decode rows only (one token per row) from the input projections -> ``[N, hidden]``."""
+        return decode_linear(self._decode_rows(qkv, z, b, a, batch.step), self.out_proj.weight)
+
+    def _decode_rows(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     meta) -> torch.Tensor:
+        """One token for each of the first ``len(qkv)`` rows, states in their slots: conv,
+        recurrence and the gated output norm, ``[n, value_dim]`` (``out_proj``'s input)."""
         n = qkv.shape[0]
-        out = self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(out.reshape(n, self.value_dim))
+        if on_triton(qkv):
+            return self._decode_fused(qkv, z, a, b, meta)
+        g, beta = self._gates(a, b)
+        out = self._decode(qkv, g, beta, meta)
+        return self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim)).reshape(n, self.value_dim)
+
+    def _over_slots(self, groups: tuple[torch.Tensor, ...], z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    meta) -> torch.Tensor:
+        """A step with prompt rows over the state slots: its decode rows as in a decode step, its
+        prompt rows through the varlen conv and chunked recurrence (fla-core's kernels on CUDA,
+        every row in one call; the torch reference row by row elsewhere), each row starting from
+        the state in its slot and leaving its final state there."""
+        n, d = z.shape[0], meta.num_decode
+        parts = []
+        if d:
+            qkv = groups[0][:d] if len(groups) == 1 else torch.cat([x[:d] for x in groups], dim=-1)
+            parts.append(self._decode_rows(qkv, z[:d], b[:d], a[:d], meta))
+        groups = tuple(x[d:] for x in groups)
+        g, beta = self._gates(a[d:], b[d:])
+        gi = meta.gdn_ordinal[self.layer_idx]
+        conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
+        if groups[0].is_cuda:
+            o = self._mix_varlen(groups, g, beta, conv_pool, rec_pool, meta.slot_ids[d:], meta.prompt)
+        else:
+            bounds, outs = meta.prompt.cu_seqlens_host.tolist(), []
+            for r, slot in enumerate(meta.prompt.slots_host):
+                s, e = bounds[r], bounds[r + 1]
+                o, conv_pool[slot], rec_pool[slot] = self._mix_tokens(
+                    tuple(x[s:e] for x in groups), g[s:e], beta[s:e], conv_pool[slot], rec_pool[slot])
+                outs.append(o)
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        t = n - d
+        parts.append(self.norm(o.to(z.dtype), z[d:].view(t, self.num_v_heads, self.head_v_dim)).reshape(t, self.value_dim))
+        return decode_linear(parts[0] if len(parts) == 1 else torch.cat(parts), self.out_proj.weight)
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token and value head: the decay ``g`` (log space) and the write strength ``beta``."""
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         return g, torch.sigmoid(b.float())
 
-    def _mix_sequence(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
-                      cache) -> torch.Tensor:
-        """Conv + recurrence for one sequence's new tokens; returns ``[T, Hv, V]``. ``groups``: its
-        qkv rows whole, or as q, k, v (the depthwise conv then runs per group, each output
+    def _conv_split(self, mixed: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output (whole, or per q / k / v group) as q, k ``[t, Hk, K]`` and v ``[t, Hv, V]``."""
+        if len(mixed) == 1:
+            mixed = mixed[0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (mixed[0].reshape(t, self.num_k_heads, self.head_k_dim),
+                mixed[1].reshape(t, self.num_k_heads, self.head_k_dim),
+                mixed[2].reshape(t, self.num_v_heads, self.head_v_dim))
+
+    def _mix_tokens(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
+                    conv_state: torch.Tensor | None, state: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + recurrence for one sequence's new tokens from its conv state ``[W-1, C]`` and
+        recurrent state (None: zeros): ``(out [T, Hv, V], conv state, recurrent state)``. ``groups``:
+        its qkv rows whole, or as q, k, v (the depthwise conv then runs per group, each output
         contiguous)."""
-        i, t = self.layer_idx, groups[0].shape[0]
+        t = groups[0].shape[0]
         conv = causal_conv1d_fla if groups[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
-        state, weight = cache.conv_states[i], self.conv1d.weight
+        weight = self.conv1d.weight
         mixed, states, lo = [], [], 0
         for x in groups:
             hi = lo + x.shape[1]
-            out, new = conv(x, weight[lo:hi], None if state is None else state[:, lo:hi])
+            out, new = conv(x, weight[lo:hi], None if conv_state is None else conv_state[:, lo:hi])
             mixed.append(out)
             states.append(new)
             lo = hi
-        cache.conv_states[i] = states[0] if len(states) == 1 else torch.cat(states, dim=1)
-        if len(mixed) == 1:
-            mixed = mixed[0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = mixed[0].reshape(t, self.num_k_heads, self.head_k_dim)
-        k = mixed[1].reshape(t, self.num_k_heads, self.head_k_dim)
-        v = mixed[2].reshape(t, self.num_v_heads, self.head_v_dim)
+        conv_state = states[0] if len(states) == 1 else torch.cat(states, dim=1)
+        q, k, v = self._conv_split(mixed, t)
         if groups[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
-            o, cache.recurrent_states[i] = prefill_gated_delta_rule(q, k, v, g, beta, cache.recurrent_states[i],
-                                                                    l2norm_qk=True)
-            return o
+            o, state = prefill_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=True)
+            return o, conv_state, state
         rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
-        o, cache.recurrent_states[i] = rule(l2norm(q), l2norm(k), v, g, beta, cache.recurrent_states[i])
+        o, state = rule(l2norm(q), l2norm(k), v, g, beta, state)
+        return o, conv_state, state
+
+    def _mix_varlen(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
+                    conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor, prompt
+                    ) -> torch.Tensor:
+        """Every prompt row at once (CUDA): fla-core's varlen conv and chunked delta rule over the
+        flat run, initial states gathered from the rows' slots, final states scattered back."""
+        t = groups[0].shape[0]
+        weight = self.conv1d.weight
+        conv_init = conv_pool.index_select(0, slots)
+        mixed, finals, lo = [], [], 0
+        for x in groups:
+            hi = lo + x.shape[1]
+            out, final = varlen_conv1d_fla(x, weight[lo:hi], conv_init[:, :, lo:hi], prompt.cu_seqlens_long,
+                                           prompt.cu_seqlens_host)
+            mixed.append(out)
+            finals.append(final)
+            lo = hi
+        conv_pool.index_copy_(0, slots, finals[0] if len(finals) == 1 else torch.cat(finals, dim=2))
+        q, k, v = self._conv_split(mixed, t)
+        o, final = varlen_gated_delta_rule(q, k, v, g, beta, rec_pool.index_select(0, slots),
+                                           prompt.cu_seqlens_long, prompt.cu_seqlens_host)
+        rec_pool.index_copy_(0, slots, final)
         return o
 
     def _decode_fused(self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -192,7 +265,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
 
         gi = meta.gdn_ordinal[self.layer_idx]
         return gdn_decode_step_triton(qkv, z, a, b, meta.states.conv[gi], self.conv1d.weight, self.A_log,
-                                      self.dt_bias, meta.states.recurrent[gi], meta.slot_ids,
+                                      self.dt_bias, meta.states.recurrent[gi], meta.slot_ids[: qkv.shape[0]],
                                       meta.states.step_counts, self.norm.weight, self.norm.eps, self.num_k_heads)
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
@@ -202,16 +275,17 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         b = qkv.shape[0]
         gi = meta.gdn_ordinal[self.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
-        window = torch.cat([conv_pool.index_select(0, meta.slot_ids), qkv[:, None, :].to(conv_pool.dtype)], dim=1)
+        slots = meta.slot_ids[:b]
+        window = torch.cat([conv_pool.index_select(0, slots), qkv[:, None, :].to(conv_pool.dtype)], dim=1)
         weight = self.conv1d.weight.reshape(self.conv_dim, -1)  # [C, W]
         mixed = F.silu(torch.einsum("bwc,cw->bc", window.float(), weight.float())).to(qkv.dtype)
-        conv_pool.index_copy_(0, meta.slot_ids, window[:, 1:])
+        conv_pool.index_copy_(0, slots, window[:, 1:])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(b, self.num_k_heads, self.head_k_dim))
         k = l2norm(k.reshape(b, self.num_k_heads, self.head_k_dim))
         v = v.reshape(b, self.num_v_heads, self.head_v_dim)
-        o, state = recurrent_step_batched(q, k, v, g, beta, rec_pool.index_select(0, meta.slot_ids))
-        rec_pool.index_copy_(0, meta.slot_ids, state)
+        o, state = recurrent_step_batched(q, k, v, g, beta, rec_pool.index_select(0, slots))
+        rec_pool.index_copy_(0, slots, state)
         return o
 
 

@@ -220,3 +220,35 @@ def causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor,
     out, final = fla_conv(x[None], weight, initial_state=init, output_final_state=True, activation="silu",
                           backend="triton")
     return out[0], final[0, :, 1:].t().contiguous()
+
+
+def varlen_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      cu_seqlens_host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d_fla` over the flat run of ``N`` sequences (fla-core's varlen Triton
+    conv, CUDA): ``x`` ``[T, C]`` (rows may be strided), ``conv_state`` ``[N, W-1, C]`` each
+    sequence's raw input of the tokens before its run, ``cu_seqlens`` ``[N + 1]`` int64 (also on
+    the host, so the kernel's chunk table needs no sync). Returns ``(out [T, C], new_state
+    [N, W-1, C])``; a run shorter than ``W - 1`` keeps the older rows of its state."""
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv
+
+    weight = weight.reshape(weight.shape[0], -1)
+    n, channels = conv_state.shape[0], weight.shape[0]
+    init = torch.cat([conv_state.new_zeros(n, 1, channels), conv_state.to(x.dtype)], dim=1).transpose(1, 2)
+    out, final = fla_conv(x[None], weight, initial_state=init.contiguous(), output_final_state=True,
+                          activation="silu", backend="triton", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
+    return out[0], final[:, :, 1:].transpose(1, 2)
+
+
+def varlen_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefill_gated_delta_rule` (raw q and k, l2-normalised in the kernel) over the flat
+    run of ``N`` sequences: fla-core's chunked kernel with ``cu_seqlens``, ``state`` ``[N, Hv, K, V]``
+    fp32 each sequence's state before its run. Returns ``(out [T, Hv, V], final states [N, Hv, K, V])``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    dk = k.shape[2]
+    o, final = fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g=g[None].float(), beta=beta[None].float(),
+                         scale=dk**-0.5, initial_state=state.float().contiguous(), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
+    return o[0], final

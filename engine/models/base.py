@@ -1,16 +1,22 @@
 """What every model implementation shares: the batch it runs on and its interface.
 
 A forward pass runs on a flat run of tokens from one or more sequences (no padding). Token-wise
-work (projections, norms, MLPs) runs on the whole run at once; attention and the recurrent layers
-work per sequence on ``batch.slices`` with that sequence's cache.
+work (projections, norms, MLPs) runs on the whole run at once. Attention and the recurrent layers
+take one of two paths, chosen by the batch, never by its tensors:
 
-Cache contract: a model's ``forward`` appends what each layer needs to every sequence's cache and,
-once all layers have run, advances each ``cache.num_tokens`` by that sequence's new-token count
-(``ForwardBatch.advance_caches``). Callers never touch ``num_tokens`` themselves.
+- ``batch.step`` (a :class:`StepMeta`, every engine step): all rows at once over the shared pools,
+  decode rows and prompt chunks in the same forward.
+- otherwise, the reference path over per-sequence caches (``SequenceCache``; the tests'
+  numerical reference): each sequence on ``batch.slices`` with its own cache.
+
+Either way a model's ``forward`` leaves what each layer needs in the caches or pools and, once all
+layers have run, advances each ``cache.num_tokens`` in ``batch.caches`` by that sequence's
+new-token count (``ForwardBatch.advance_caches``); a replayed CUDA graph, whose batch has no
+caches, leaves that to the runner.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -21,30 +27,51 @@ from ..config import ModelConfig
 
 
 @dataclass
-class DecodeMeta:
-    """Device-side description of a decode step (one new token per sequence) over the shared pools.
+class PromptRows:
+    """The rows of a step that bring more than one new token: their tokens follow the decode
+    rows' in the flat run, ``cu_seqlens`` counted from the first of them."""
 
-    With it, layers run the whole batch at once with no per-sequence Python loop and no host
-    sync, so the step can be captured in a CUDA graph. Row ``b`` is sequence ``b``.
+    cu_seqlens: torch.Tensor  # [P + 1] int32 on the device
+    cu_seqlens_long: torch.Tensor  # the same, int64 (fla-core's varlen kernels)
+    cu_seqlens_host: torch.Tensor  # the same, int64 on the host: kernels size their grids without a sync
+    max_seqlen: int  # the longest row's new tokens
+    slots_host: list[int]  # each row's state slot, on the host (the torch path loops over rows)
+
+
+@dataclass
+class StepMeta:
+    """Device-side description of one step over the shared pools, built once per step.
+
+    Row ``r`` is one sequence's new tokens. Rows ``0 .. num_decode`` bring one token each (a
+    decoding sequence, or a one-token chunk): token ``r`` of the flat run is row ``r``'s. The
+    rows after them (``prompt``) bring runs of tokens (prompt chunks, forced tokens). Layers run
+    every row in one call per kernel, with no per-sequence Python loop on CUDA; a step of decode
+    rows only reads no device value on the host, so it can be captured in a CUDA graph.
     """
 
     kv: Any  # PagedKVPool or None
     states: Any  # StateSlotPool or None
     attn_ordinal: dict[int, int]  # layer index -> index in the KV pool
     gdn_ordinal: dict[int, int]  # layer index -> index in the state pool
-    block_tables: torch.Tensor  # [B, max_pages] int32
-    context_lens: torch.Tensor  # [B] int32, tokens including the new one
-    write_index: torch.Tensor  # [B] int64, flat pool row (page * page_size + offset) of the new token
-    slot_ids: torch.Tensor  # [B] int64, state slot of each sequence
+    block_tables: torch.Tensor  # [R, max_pages] int32
+    context_lens: torch.Tensor  # [R] int32, tokens in each row's cache once this step's are in
+    write_index: torch.Tensor  # [N] int64, flat pool row (page * page_size + offset) of every new token
+    slot_ids: torch.Tensor  # [R] int64, state slot of each row
+    num_decode: int = -1  # rows of one token (-1: every row)
+    prompt: PromptRows | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 0:
+            self.num_decode = self.slot_ids.shape[0]
 
 
 @dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute position of every token
     seq_lens: list[int]  # new tokens per sequence, sum == N
-    caches: list[Any]  # one per sequence, in the same order (SequenceCache or PagedSequenceCache)
-    decode: DecodeMeta | None = None  # set for batched decode steps over the pools
-    _write_rows: torch.Tensor | None = field(default=None, repr=False)  # kv_write_rows, once built
+    caches: list[Any]  # one per sequence, in the same order: SequenceCache (reference path) or the rows'
+    # PagedSequenceCache (``step``: layers read the pools, the caches only count the tokens in)
+    step: StepMeta | None = None  # set for steps over the shared pools (the engine's every step)
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -53,13 +80,6 @@ class ForwardBatch:
             out.append((start, start + n))
             start += n
         return out
-
-    def kv_write_rows(self, device: torch.device) -> torch.Tensor:
-        """Flat KV pool rows of every new token (paged caches), the same for every attention layer:
-        built once per forward."""
-        if self._write_rows is None:
-            self._write_rows = torch.cat([c.write_rows(e - s, device) for (s, e), c in zip(self.slices, self.caches)])
-        return self._write_rows
 
     def advance_caches(self) -> None:
         """Count the new tokens into each cache; a model calls this once, at the end of ``forward``."""

@@ -1,5 +1,5 @@
-"""The batched decode path (one forward over the pools, as CUDA graphs run it) against the
-per-sequence path, on the CPU with the torch references of the kernels."""
+"""The engine's batched path (one forward per step over the pools, as CUDA graphs run it) against
+the models' per-sequence reference path, on the CPU with the torch references of the kernels."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
 from ninfer.engine.layers.attention import causal_attention
-from support.decode_paths import BUILDERS, load_parts, run
+from support.decode_paths import BUILDERS, load_parts, reference, run
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -15,8 +15,8 @@ def parts(request, tmp_path_factory):
     return load_parts(request.param, tmp_path_factory)
 
 
-def test_batched_decode_matches_per_sequence_path(parts):
-    assert run(parts, batched=True) == run(parts, batched=False)
+def test_served_together_matches_each_alone_on_the_reference_path(parts):
+    assert run(parts) == reference(parts)
 
 
 def test_paged_reference_matches_contiguous_attention():

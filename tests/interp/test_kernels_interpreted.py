@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.decode_paths import BUILDERS, load_parts, run
+from support.decode_paths import BUILDERS, load_parts, reference, run
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
                                   check_norm_gemv, check_prefill_attention, rel_err)
 
@@ -173,16 +173,16 @@ def test_decode_advance(n):
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_fused_decode_path_matches_per_sequence_path(name, tmp_path_factory, monkeypatch):
-    """Tiny models decoding greedily through every fused decode kernel give the tokens the
-    per-sequence path gives."""
+def test_fused_step_path_matches_reference_path(name, tmp_path_factory, monkeypatch):
+    """Tiny models served together greedily through every fused kernel (decode rows and prompt
+    chunks in the same steps) give each request's tokens alone on the reference path."""
     from ninfer.engine.layers import moe
 
     parts = load_parts(name, tmp_path_factory)
     # decode steps (3 tokens) take the grouped GEMVs, prefills the grouped GEMM (under the
     # interpreter the GEMVs would run thousands of programs for a prefill)
     monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", 3 * (parts[0].config.num_experts_per_tok + 1))
-    assert run(parts, True, requests=3, max_tokens=5) == run(parts, False, requests=3, max_tokens=5)
+    assert run(parts, requests=3, max_tokens=5) == reference(parts, requests=3, max_tokens=5)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])

@@ -70,8 +70,9 @@ def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: b
     def run(fused: bool):
         pools = [t.clone() for t in kv]
         meta = SimpleNamespace(attn_ordinal={0: 0}, kv=SimpleNamespace(keys=[pools[0]], values=[pools[1]]),
-                               write_index=write, block_tables=tables, context_lens=lens)
-        batch = ForwardBatch(positions=positions, seq_lens=[1] * b, caches=[], decode=meta)
+                               write_index=write, block_tables=tables, context_lens=lens,
+                               num_decode=b, prompt=None)
+        batch = ForwardBatch(positions=positions, seq_lens=[1] * b, caches=[], step=meta)
         with monkeypatch.context() as m:
             m.setattr(attention, "on_triton", lambda t: fused)
             return attn(hidden_states, batch), pools
@@ -228,29 +229,37 @@ def check_moe_norm_route(monkeypatch, device: str, dtype: torch.dtype, tokens: i
 
 
 def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int, tol: float) -> None:
-    """Prompt chunks of two sequences in one forward, then a second chunk each (keys read back from
-    older pages, writes across page boundaries): attention through the fused q/k norm + RoPE + K/V
-    write kernel gives the logits of the torch attention path (whole model)."""
+    """Steps over the pools mixing prompt chunks and one-token rows of three sequences, then a
+    second step each (keys read back from older pages, writes across page boundaries): attention
+    through the fused q/k norm + RoPE + K/V write kernel, the split-K decode kernel and the varlen
+    prompt kernel gives the logits of the torch path over the same pools (whole model)."""
     from ninfer.engine.cache.manager import CacheManager
     from ninfer.engine.layers import attention as attention_mod
-    from ninfer.engine.models.base import ForwardBatch
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+    from ninfer.engine.step import build_step
 
     ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 2)
-    chunks = [(ids[:11], ids[3:10]), (ids[11:20], ids[10:15])]
+    prompts = [ids[:20], ids[3:15], ids[5:8]]
+    steps = [(11, 7, 1), (9, 1, 1), (0, 4, 1)]  # new tokens per sequence and step (0: not in it)
     dtype = next(model.parameters()).dtype
 
     def logits(fused: bool) -> torch.Tensor:
         monkeypatch.setattr(attention_mod, "on_triton", lambda x: fused)
-        caches = CacheManager(model.config, 64 // page_size, page_size, 2, dtype, device)
-        seqs = [caches.open(), caches.open()]
+        caches = CacheManager(model.config, 96 // page_size, page_size, 3, dtype, device)
+        reqs = [Request(f"r{i}", p, SamplingParams(), max_total_tokens=64) for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.cache = caches.open()
         out = []
-        for step in chunks:
-            for cache, chunk in zip(seqs, step):
-                assert caches.reserve(cache, cache.num_tokens + len(chunk))
-            positions = torch.cat([torch.arange(c.num_tokens, c.num_tokens + len(x)) for c, x in zip(seqs, step)])
-            batch = ForwardBatch(positions=positions.to(device), seq_lens=[len(x) for x in step], caches=seqs)
+        for counts in steps:
+            plan = [(r, n) for r, n in zip(reqs, counts) if n]
+            for r, n in plan:
+                assert caches.reserve(r.cache, r.num_computed + n)
+            step = build_step(plan, caches, torch.device(device))
             with torch.inference_mode():
-                out.append(model.compute_logits(model(torch.tensor(step[0] + step[1], device=device), batch)))
+                out.append(model.compute_logits(model(step.input_ids, step.batch)))
+            for r, n in step.plan:
+                r.num_computed += n
         return torch.cat(out).float()
 
     assert rel_err(logits(True), logits(False)) < tol

@@ -24,7 +24,7 @@ def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort
     outputs said, and how many steps were launched ahead."""
     model, tok = parts
     engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=6, prefill_chunk=32,
-                                                kv_capacity=2048, page_size=8, batched_decode=True,
+                                                kv_capacity=2048, page_size=8,
                                                 overlap=overlap, device=device, cuda_graphs=cuda_graphs,
                                                 dtype=next(model.parameters()).dtype))
     launched_ahead = 0

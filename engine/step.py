@@ -1,0 +1,102 @@
+"""The step description: one flat, varlen picture of a step's rows over the shared pools.
+
+A plan of ``(request, n)`` rows becomes the token ids and positions of the flat run and a
+``StepMeta`` (``models/base.py``): the rows of one token first (decode rows), then the rows of
+several (prompt chunks, forced tokens); per row its context length, block table, state slot and
+query run; per token its KV write row; and which tokens' logits are sampled. Everything is laid out
+in one host buffer and reaches the device in one copy (pinned on CUDA, so the copy is
+asynchronous); the int32 part is one cast on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache.manager import CacheManager
+from .models.base import ForwardBatch, PromptRows, StepMeta
+from .request import Request
+
+
+@dataclass
+class Step:
+    """A step ready to run: the model's inputs, and the rows in the order the forward sees them."""
+
+    input_ids: torch.Tensor  # [N] int64
+    batch: ForwardBatch
+    plan: list[tuple[Request, int]]  # decode rows first
+    sample_index: torch.Tensor  # [S] int64: the flat token whose logits each sampled row takes
+    sampled: list[Request]  # the rows that reach their next token, in ``sample_index`` order
+
+
+def order_rows(plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """Rows of one new token first (stable), then the rest: the layout ``StepMeta`` expects."""
+    return [row for row in plan if row[1] == 1] + [row for row in plan if row[1] != 1]
+
+
+def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: torch.device,
+               ids: torch.Tensor | None = None) -> Step:
+    """The step for ``plan`` (``ids``: the decode rows' input tokens already on the device, for a
+    plan of decode rows only). Reads each request's ``num_computed`` as where its new tokens start;
+    changes nothing."""
+    plan = order_rows(plan)
+    page = caches.page_size
+    rows = len(plan)
+    num_decode = sum(n == 1 for _, n in plan)
+    width = max((len(r.cache.pages) for r, _ in plan), default=1) or 1
+    tokens, positions, writes, slots, lens, tables = [], [], [], [], [], []
+    cu, sample, sampled, end = [0], [], [], 0
+    for i, (req, n) in enumerate(plan):
+        start, cache = req.num_computed, req.cache
+        table = cache.pages
+        if ids is None:
+            tokens.extend(req.all_ids[start : start + n] if n > 1 else (req.token_at(start),))
+        positions.extend(range(start, start + n))
+        if table:
+            writes.extend(table[p // page] * page + p % page for p in range(start, start + n))
+        else:
+            writes.extend([0] * n)
+        slots.append(cache.slot if cache.slot is not None else 0)
+        lens.append(start + n)
+        tables.extend(table)
+        tables.extend([0] * (width - len(table)))
+        end += n
+        if i >= num_decode:
+            cu.append(end - num_decode)
+        if start + n == req.num_tokens:  # everything known is computed: its next token is sampled
+            sample.append(end - 1)
+            sampled.append(req)
+    prompt_rows = rows - num_decode
+    wide = tokens + positions + writes + slots + sample
+    narrow = lens + (cu if prompt_rows else []) + tables
+    host = torch.tensor(wide + narrow, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    n_tok = end
+    off = 0
+
+    def take(count: int) -> torch.Tensor:
+        nonlocal off
+        out = dev[off : off + count]
+        off += count
+        return out
+
+    input_ids = ids if ids is not None else take(n_tok)
+    pos_t, write_t, slot_t, sample_t = take(n_tok), take(n_tok), take(rows), take(len(sample))
+    small = dev[off:].to(torch.int32)
+    lens_t = small[:rows]
+    prompt = None
+    cu_at = rows
+    if prompt_rows:
+        prompt = PromptRows(cu_seqlens=small[rows : rows + prompt_rows + 1],
+                            cu_seqlens_long=dev[off + rows : off + rows + prompt_rows + 1],
+                            cu_seqlens_host=host[off + rows : off + rows + prompt_rows + 1], max_seqlen=max(n for _, n in plan[num_decode:]),
+                            slots_host=slots[num_decode:])
+        cu_at = rows + prompt_rows + 1
+    meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
+                    gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
+                    context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
+                    prompt=prompt)
+    batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, n in plan], caches=[r.cache for r, _ in plan], step=meta)
+    return Step(input_ids, batch, plan, sample_t, sampled)
