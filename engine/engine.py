@@ -52,7 +52,35 @@ class LLMEngine:
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
-        self.counters = EngineCounters()  # read lock-free by /metrics and /stats
+        self.counters = EngineCounters()
+        if self.device.type == "cuda":
+            self.warm_up()
+        self.counters = EngineCounters()  # read lock-free by /metrics and /stats; the warm-up not in them
+
+    def warm_up(self) -> None:
+        """Run the kinds of step serving brings before the first request does: prompt rows alone,
+        several at once, beside decode rows, one-token rows. Triton compiles (and fla-core
+        autotunes) each kernel variant on its first call, seconds each; here they come at start,
+        not inside a user's time to first token. Leaves the pools as it found them."""
+        from .sampling_params import SamplingParams
+
+        limit = min(self.config.max_context - 4, self.config.prefill_chunk)
+
+        def req(i: int, n: int) -> Request:
+            n = max(1, min(n, limit))
+            return Request(f"warm-up-{i}", [i % self.token_limit] * n,
+                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                           max_total_tokens=min(n + 4, self.config.max_context))
+
+        first = [req(i, n) for i, n in enumerate((37, 64, 20))]
+        for r in first:
+            self.add_request(r)
+        self.step()
+        for r in (req(3, 1), req(4, 45)):
+            self.add_request(r)
+        while self.has_work:
+            self.step()
+        self.scheduler.stats = type(self.scheduler.stats)()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:

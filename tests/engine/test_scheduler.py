@@ -110,3 +110,27 @@ def test_cancel_mid_prefill_and_mid_decode_restores_idle_pools(parts):
         engine.step()
     assert engine.caches.idle()
     assert c.output_ids == drain(engine_for(parts), [request(2, ps[4])])["r2"]
+
+
+def test_the_step_budget_takes_decode_rows_first_then_prompt_chunks_oldest_first(parts):
+    """``max_batched_tokens``: every decoding request's token, whatever the budget, then chunks of
+    as many prompts as fit (each at most ``prefill_chunk``), in admission order; the outputs are
+    each request's alone."""
+    engine = engine_for(parts, max_batched_tokens=40)
+    ps = prompts(parts[1], 4)[1:]  # 15, 24 and 33 tokens
+    reqs = [request(i, p) for i, p in enumerate(ps)]
+    for r in reqs:
+        engine.add_request(r)
+    plan = engine.scheduler.schedule()
+    assert [(r.request_id, n) for r, n in plan] == [("r0", 15), ("r1", 24), ("r2", 1)]
+    engine.runner.execute(plan)
+    assert reqs[0].num_computed == 15 and reqs[2].num_computed == 1
+    engine.scheduler.running[0].output_ids.append(7)  # r0 now decodes (its token, as the engine would)
+    engine.scheduler.running[0].status = Status.DECODE
+    engine.scheduler.running[1].output_ids.append(7)
+    engine.scheduler.running[1].status = Status.DECODE
+    plan = engine.scheduler.schedule()
+    assert [(r.request_id, n) for r, n in plan] == [("r0", 1), ("r1", 1), ("r2", 32)]
+    for r in reqs:
+        engine.abort(r.request_id)
+    assert engine.caches.idle()
