@@ -52,35 +52,37 @@ class LLMEngine:
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
-        self.counters = EngineCounters()
+        self.counters = EngineCounters()  # read lock-free by /metrics and /stats
         if self.device.type == "cuda":
             self.warm_up()
-        self.counters = EngineCounters()  # read lock-free by /metrics and /stats; the warm-up not in them
+
+    # the warm-up's rounds of prompt lengths, each added one step after the one before: prompt
+    # rows alone, several at once, beside decode rows, one-token rows, token counts that are and
+    # are not multiples of 16 (Triton specializes integer arguments on that, and on == 1), block
+    # tables one page wide and sixteen, sixteen rows at once
+    WARM_UP_ROUNDS = ((37, 64, 20), (1, 45), (16, 32), (5, 6), (8, 8), (250, 6), (2,) * 16)
 
     def warm_up(self) -> None:
-        """Run the kinds of step serving brings before the first request does: prompt rows alone,
-        several at once, beside decode rows, one-token rows. Triton compiles (and fla-core
-        autotunes) each kernel variant on its first call, seconds each; here they come at start,
-        not inside a user's time to first token. Leaves the pools as it found them."""
+        """Run the kinds of step serving brings before the first request does (``WARM_UP_ROUNDS``).
+        Triton compiles (and fla-core autotunes) each kernel variant on its first call, seconds
+        each; here they come at start, not inside a user's time to first token. Leaves the pools
+        as it found them."""
         from .sampling_params import SamplingParams
 
         limit = min(self.config.max_context - 4, self.config.prefill_chunk)
-
-        def req(i: int, n: int) -> Request:
-            n = max(1, min(n, limit))
-            return Request(f"warm-up-{i}", [i % self.token_limit] * n,
-                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                           max_total_tokens=min(n + 4, self.config.max_context))
-
-        first = [req(i, n) for i, n in enumerate((37, 64, 20))]
-        for r in first:
-            self.add_request(r)
-        self.step()
-        for r in (req(3, 1), req(4, 45)):
-            self.add_request(r)
+        count = 0
+        for lengths in self.WARM_UP_ROUNDS:
+            for n in lengths:
+                n = max(1, min(n, limit))
+                self.add_request(Request(f"warm-up-{count}", [count % self.token_limit] * n,
+                                         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                                         max_total_tokens=min(n + 4, self.config.max_context)))
+                count += 1
+            self.step()
         while self.has_work:
             self.step()
         self.scheduler.stats = type(self.scheduler.stats)()
+        self.counters = EngineCounters()  # the warm-up is not the server's work
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:

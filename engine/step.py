@@ -29,6 +29,11 @@ class Step:
     sampled: list[Request]  # the rows that reach their next token, in ``sample_index`` order
 
 
+def _aligned(values: list[int], multiple: int) -> list[int]:
+    """``values`` padded with zeros to a multiple of ``multiple`` elements."""
+    return values + [0] * (-len(values) % multiple)
+
+
 def order_rows(plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     """Rows of one new token first (stable), then the rest: the layout ``StepMeta`` expects."""
     return [row for row in plan if row[1] == 1] + [row for row in plan if row[1] != 1]
@@ -67,8 +72,11 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
             sample.append(end - 1)
             sampled.append(req)
     prompt_rows = rows - num_decode
-    wide = tokens + positions + writes + slots + sample
-    narrow = lens + (cu if prompt_rows else []) + tables
+    # every segment starts 16-byte aligned: Triton specializes a kernel on its pointers'
+    # alignment, so unaligned slices would compile new variants as the row and token counts move
+    wide = _aligned(tokens, 2) + _aligned(positions, 2) + _aligned(writes, 2) + _aligned(slots, 2) + \
+        _aligned(sample, 2)
+    narrow = _aligned(lens, 4) + (_aligned(cu, 4) if prompt_rows else []) + tables
     host = torch.tensor(wide + narrow, dtype=torch.long)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -79,7 +87,7 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     def take(count: int) -> torch.Tensor:
         nonlocal off
         out = dev[off : off + count]
-        off += count
+        off += -(-count // 2) * 2
         return out
 
     input_ids = ids if ids is not None else take(n_tok)
@@ -87,13 +95,13 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     small = dev[off:].to(torch.int32)
     lens_t = small[:rows]
     prompt = None
-    cu_at = rows
+    cu_at = len(_aligned(lens, 4))
     if prompt_rows:
-        prompt = PromptRows(cu_seqlens=small[rows : rows + prompt_rows + 1],
-                            cu_seqlens_long=dev[off + rows : off + rows + prompt_rows + 1],
-                            cu_seqlens_host=host[off + rows : off + rows + prompt_rows + 1], max_seqlen=max(n for _, n in plan[num_decode:]),
+        at, end = off + cu_at, off + cu_at + prompt_rows + 1
+        prompt = PromptRows(cu_seqlens=small[cu_at : cu_at + prompt_rows + 1], cu_seqlens_long=dev[at:end],
+                            cu_seqlens_host=host[at:end], max_seqlen=max(n for _, n in plan[num_decode:]),
                             slots_host=slots[num_decode:])
-        cu_at = rows + prompt_rows + 1
+        cu_at += len(_aligned(cu, 4))
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,

@@ -134,3 +134,15 @@ def test_the_step_budget_takes_decode_rows_first_then_prompt_chunks_oldest_first
     for r in reqs:
         engine.abort(r.request_id)
     assert engine.caches.idle()
+
+
+def test_the_warm_up_leaves_nothing_behind(parts):
+    """``LLMEngine.warm_up`` (run at start on CUDA) over every round of row mixes: the pools idle
+    again, nothing counted, and a request served after it gets the tokens it gets without."""
+    ps = prompts(parts[1], 3)
+    plain = drain(engine_for(parts), [request(i, p) for i, p in enumerate(ps)])
+    engine = engine_for(parts)
+    engine.warm_up()
+    assert engine.caches.idle() and not engine.has_work
+    assert engine.counters.prompt_tokens == 0 and engine.scheduler.stats.preempted_replay == 0
+    assert drain(engine, [request(i, p) for i, p in enumerate(ps)]) == plain
