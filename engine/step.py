@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
 from .models.base import ForwardBatch, PromptRows, StepMeta
 from .request import Request
@@ -54,11 +55,13 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     for i, (req, n) in enumerate(plan):
         start, cache = req.num_computed, req.cache
         table = cache.pages
+        if cache.kv is not None and start + n > cache.capacity:
+            raise RuntimeError(f"KV pages for {cache.capacity} tokens, writing up to {start + n}: reserve first")
         if ids is None:
             tokens.extend(req.all_ids[start : start + n] if n > 1 else (req.token_at(start),))
         positions.extend(range(start, start + n))
         if table:
-            writes.extend(table[p // page] * page + p % page for p in range(start, start + n))
+            writes.extend(pool_row(table, p, page) for p in range(start, start + n))
         else:
             writes.extend([0] * n)
         slots.append(cache.slot if cache.slot is not None else 0)

@@ -54,21 +54,3 @@ class PagedKVPool:
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
         pages.clear()
-
-    def flat_rows(self, table: list[int], start: int, count: int, device: torch.device | str) -> torch.Tensor:
-        """:func:`pool_row` of token positions ``start .. start + count``, on ``device``."""
-        pos = torch.arange(start, start + count, device=device)
-        return torch.tensor(table, device=device)[pos // self.page_size] * self.page_size + pos % self.page_size
-
-    def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``[t, Hkv, D]`` keys/values for token positions ``start .. start + t``."""
-        rows = self.flat_rows(table, start, k.shape[0], k.device)
-        self.keys[layer].view(-1, *k.shape[1:])[rows] = k.to(self.keys.dtype)
-        self.values[layer].view(-1, *v.shape[1:])[rows] = v.to(self.values.dtype)
-
-    def gather(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``length`` keys/values of a sequence, ``[length, Hkv, D]`` each."""
-        idx = torch.tensor(table[: self.pages_for(length)], device=self.keys.device)
-        k = self.keys[layer, idx].flatten(0, 1)[:length]
-        v = self.values[layer, idx].flatten(0, 1)[:length]
-        return k, v

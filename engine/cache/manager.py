@@ -80,7 +80,7 @@ class CacheManager:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> PagedSequenceCache:
-        cache = PagedSequenceCache(self.kv, self.states, self.attn_ordinal, self.gdn_ordinal)
+        cache = PagedSequenceCache(self.kv, self.states)
         if self.states is not None:
             cache.slot = self.states.acquire()
         return cache

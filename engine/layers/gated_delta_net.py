@@ -200,6 +200,21 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         return g, torch.sigmoid(b.float())
 
+    def _conv_groups(self, groups: tuple[torch.Tensor, ...], state: torch.Tensor | None, conv
+                     ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The depthwise conv over the qkv rows whole or per q / k / v group, each group with its
+        channels of the weight and of ``state`` (channels last: ``[W-1, C]``, or ``[N, W-1, C]``
+        for ``N`` rows): the outputs, and the new state joined on its channels."""
+        weight = self.conv1d.weight
+        mixed, states, lo = [], [], 0
+        for x in groups:
+            hi = lo + x.shape[1]
+            out, new = conv(x, weight[lo:hi], None if state is None else state[..., lo:hi])
+            mixed.append(out)
+            states.append(new)
+            lo = hi
+        return mixed, states[0] if len(states) == 1 else torch.cat(states, dim=-1)
+
     def _conv_split(self, mixed: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output (whole, or per q / k / v group) as q, k ``[t, Hk, K]`` and v ``[t, Hv, V]``."""
         if len(mixed) == 1:
@@ -217,15 +232,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         contiguous)."""
         t = groups[0].shape[0]
         conv = causal_conv1d_fla if groups[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
-        weight = self.conv1d.weight
-        mixed, states, lo = [], [], 0
-        for x in groups:
-            hi = lo + x.shape[1]
-            out, new = conv(x, weight[lo:hi], None if conv_state is None else conv_state[:, lo:hi])
-            mixed.append(out)
-            states.append(new)
-            lo = hi
-        conv_state = states[0] if len(states) == 1 else torch.cat(states, dim=1)
+        mixed, conv_state = self._conv_groups(groups, conv_state, conv)
         q, k, v = self._conv_split(mixed, t)
         if groups[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
             o, state = prefill_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=True)
@@ -240,17 +247,10 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         """Every prompt row at once (CUDA): fla-core's varlen conv and chunked delta rule over the
         flat run, initial states gathered from the rows' slots, final states scattered back."""
         t = groups[0].shape[0]
-        weight = self.conv1d.weight
-        conv_init = conv_pool.index_select(0, slots)
-        mixed, finals, lo = [], [], 0
-        for x in groups:
-            hi = lo + x.shape[1]
-            out, final = varlen_conv1d_fla(x, weight[lo:hi], conv_init[:, :, lo:hi], prompt.cu_seqlens_long,
-                                           prompt.cu_seqlens_host)
-            mixed.append(out)
-            finals.append(final)
-            lo = hi
-        conv_pool.index_copy_(0, slots, finals[0] if len(finals) == 1 else torch.cat(finals, dim=2))
+        mixed, final = self._conv_groups(
+            groups, conv_pool.index_select(0, slots),
+            lambda x, w, s: varlen_conv1d_fla(x, w, s, prompt.cu_seqlens_long, prompt.cu_seqlens_host))
+        conv_pool.index_copy_(0, slots, final)
         q, k, v = self._conv_split(mixed, t)
         o, final = varlen_gated_delta_rule(q, k, v, g, beta, rec_pool.index_select(0, slots),
                                            prompt.cu_seqlens_long, prompt.cu_seqlens_host)
