@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
+from collections import deque
 from typing import AsyncIterator
 
 from .engine_config import EngineConfig
@@ -23,6 +25,77 @@ class EngineError(RuntimeError):
         self.code = code
 
 
+def _mergeable(out: RequestOutput) -> bool:
+    """Text and tokens may be read as one; the admission, progress (one report per prompt
+    chunk: few, and each one a client may show) and an error never."""
+    return not (out.admitted or out.prompt_processed is not None or out.finish_reason == "error")
+
+
+def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``first`` followed by ``later`` as one output: text and token ids joined, every count,
+    ending and timing the later one's (they are cumulative or final)."""
+    first.text += later.text
+    first.token_ids = first.token_ids + later.token_ids
+    for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
+                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time"):
+        setattr(first, name, getattr(later, name))
+    return first
+
+
+class _Stream:
+    """One request's outputs on the event loop. A reader that is behind gets what has piled up
+    as one output (``merge``), so a stream's frames, JSON and socket writes stay one per read,
+    not one per token, while the engine runs ahead of the HTTP side."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._pending: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while not self._pending:
+            self._waiter = self._aio.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        out = self._pending.popleft()
+        while _mergeable(out) and self._pending and _mergeable(self._pending[0]):
+            out = merge(out, self._pending.popleft())
+        return out
+
+
+class _Mailbox:
+    """Outputs from the engine thread to one event loop: the thread appends, and one wake-up of
+    the loop (``call_soon_threadsafe``) delivers everything posted before it ran, so a step's
+    outputs for many requests cost the loop one wake-up, not one each."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._items: deque[tuple[_Stream, RequestOutput]] = deque()
+        self._scheduled = False
+
+    def post(self, stream: _Stream, out: RequestOutput) -> None:  # the engine thread
+        self._items.append((stream, out))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self._aio.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop has closed: nobody is listening
+                pass
+
+    def _deliver(self) -> None:  # the event loop
+        self._scheduled = False  # before draining: what is posted from now on schedules its own
+        while self._items:
+            stream, out = self._items.popleft()
+            stream.put(out)
+
+
 class AsyncEngine:
     def __init__(self, loop: EngineLoop, config: EngineConfig, eos_ids: frozenset[int]) -> None:
         self.loop = loop
@@ -32,6 +105,7 @@ class AsyncEngine:
         # sees each request's lifecycle on the event loop: begin(request) -> watch; watch.output(out)
         # for every output; watch.close() when the caller leaves (server/observability/monitor.py)
         self.observer = None
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def healthy(self) -> bool:
@@ -44,13 +118,17 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request; leaving the iteration early cancels the request."""
+        """Outputs of one request; leaving the iteration early cancels the request. Outputs that
+        pile up while the caller is busy come as one (``_Stream``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
         request_id = request_id or uuid.uuid4().hex
         aio = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        mailbox = self._mailboxes.get(aio)
+        if mailbox is None:
+            mailbox = self._mailboxes[aio] = _Mailbox(aio)
+        outputs = _Stream(aio)
         request = Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -60,10 +138,7 @@ class AsyncEngine:
         )
 
         def sink(out: RequestOutput) -> None:
-            try:
-                aio.call_soon_threadsafe(outputs.put_nowait, out)
-            except RuntimeError:  # the caller's event loop has closed: nobody is listening
-                pass
+            mailbox.post(outputs, out)
 
         try:
             self.loop.submit(request, sink)

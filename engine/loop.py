@@ -1,9 +1,11 @@
 """The engine thread: the only place that mutates engine state.
 
 Other threads talk to it through ``submit`` / ``abort``, which only enqueue commands. Each request
-gets a sink callback that receives its ``RequestOutput`` objects, the last one with ``finished``.
-If a step raises, every live request receives an error output, ``failed`` is set, and
-``on_failure`` is called so the process can report it and exit.
+gets a sink callback that receives its ``RequestOutput`` objects, the last one with ``finished``;
+``flush``, when given, is called after each batch of outputs (a step's, or a batch of commands'),
+so a sink may collect and ``flush`` send them on together. If a step raises, every live request
+receives an error output, ``failed`` is set, and ``on_failure`` is called so the process can
+report it and exit. ``process.py`` runs the same loop in a process of its own.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import threading
 import traceback
 from typing import Callable
 
+from .config import ModelConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .request import Request
+from .snapshot import EngineSnapshot, take_snapshot
 
 log = logging.getLogger("ninfer.engine")
 
@@ -27,9 +31,11 @@ class EngineFailedError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None,
+                 flush: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.on_failure = on_failure
+        self.flush = flush
         self.failed: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -54,6 +60,17 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
+    def view(self) -> EngineSnapshot:
+        return take_snapshot(self.engine)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model.config
+
+    @property
+    def token_limit(self) -> int:
+        return self.engine.token_limit
+
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
         try:
@@ -62,25 +79,31 @@ class EngineLoop:
                 if self.engine.has_work:
                     for out in self.engine.step():
                         self._publish(out)
+                if self.flush is not None:
+                    self.flush()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the engine
             log.error("engine step failed:\n%s", traceback.format_exc())
             with self._submit_lock:
                 self.failed = exc
             self._fail_all(exc)
+            if self.flush is not None:
+                self.flush()
             if self.on_failure is not None:
                 self.on_failure(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Every live or still-queued request ends with the error; none is left waiting."""
         for request_id in list(self._sinks):
-            self._publish(RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc)))
+            self._publish(RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc),
+                                        error_code="engine_failed"))
         while True:
             try:
                 kind, arg, sink = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
-                sink(RequestOutput(arg.request_id, finished=True, finish_reason="error", error=str(exc)))
+                sink(RequestOutput(arg.request_id, finished=True, finish_reason="error", error=str(exc),
+                                   error_code="engine_failed"))
 
     def _drain(self, block: bool) -> None:
         try:

@@ -44,6 +44,13 @@ class EngineCounters:
         self._frontier: dict[str, int] = {}  # request id -> highest position ever computed
         self._ring: list[tuple[int, int, int]] = [(-1, 0, 0)] * RING_SECONDS  # (second, prefill, generated)
 
+    def __getstate__(self) -> dict:
+        """What another process reads (``snapshot.py``): the totals and the ring, not which
+        request has computed how far."""
+        state = dict(self.__dict__)
+        state["_frontier"] = {}
+        return state
+
     # ------------------------------------------------------------------ engine thread
     def scheduled(self, admitted: Iterable[Request], plan: Iterable[tuple[Request, int]]) -> None:
         """Account a step's plan before it runs (``num_computed`` not yet advanced)."""

@@ -14,7 +14,7 @@ from ..engine.frontend.chat_template import ChatTemplate, builtin_template
 from ..engine.frontend.tokenizer import Tokenizer
 from ..engine.loader import Checkpoint, load_checkpoint, load_model
 from ..engine.loop import EngineLoop
-from ..engine.models.base import CausalLM
+from ..engine.process import EngineProcess
 from . import observability
 from .state import SamplingDefaults, ServerState, ThinkingDefaults
 from .workers import PrepareWorkers
@@ -150,24 +150,47 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
     )
 
 
-def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop]:
-    """Load the model named by ``args`` and assemble the engine and gateway state around it."""
+def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineConfig]:
+    """The checkpoint (its metadata: weights are read by ``load_model``), tokenizer and engine
+    settings ``args`` name, checked against each other."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     ckpt = load_checkpoint(args.model)
     tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
-    template = resolve_template(ckpt, tokenizer, args.chat_template)
     max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     config = engine_config(args, max_context, device, dtype)
     config.check_for_model(ckpt.config)  # before the weights are read
-    return assemble_state(args, ckpt, load_model(ckpt, device, dtype), tokenizer, template, config)
+    return ckpt, tokenizer, config
 
 
-def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, model: CausalLM, tokenizer: Tokenizer,
-                   template: ChatTemplate, config: EngineConfig) -> tuple[ServerState, EngineLoop]:
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine ``args`` name, weights loaded: what the engine process runs."""
+    ckpt, tokenizer, config = _resolve(args)
+    return LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config)
+
+
+def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | EngineProcess]:
+    """Load the model named by ``args`` and assemble the engine and gateway state around it:
+    the engine in a process of its own, built and warmed up when this returns (``process.py``),
+    or with ``--engine-thread`` on a thread of this one."""
+    ckpt, tokenizer, config = _resolve(args)
+    template = resolve_template(ckpt, tokenizer, args.chat_template)
+    if args.engine_thread:
+        loop = EngineLoop(LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config))
+    else:
+        loop = EngineProcess(build_engine, (args,), logging.getLogger().getEffectiveLevel())
+        loop.launch()
+    try:
+        return assemble_state(args, ckpt, loop, tokenizer, template, config)
+    except BaseException:
+        loop.stop()
+        raise
+
+
+def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop | EngineProcess, tokenizer: Tokenizer,
+                   template: ChatTemplate, config: EngineConfig) -> tuple[ServerState, EngineLoop | EngineProcess]:
     from .cli import default_model_id
 
-    loop = EngineLoop(LLMEngine(model, tokenizer, config))
     state = ServerState(
         engine=AsyncEngine(loop, config, eos_ids(ckpt, tokenizer)),
         tokenizer=tokenizer,

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens per engine step over all requests: every decoding request's token, then "
                         "prompt chunks of as many waiting requests as fit (default: --prefill-chunk)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of a process of its own "
+                        "(one interpreter lock for both: slower with many streams)")
     p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                    help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
     p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")
@@ -100,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     level, uvicorn_level = LOG_LEVELS[args.log_level]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        from ..engine.process import EngineProcessError
         from .bootstrap import build_state
 
         state, loop = build_state(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, EngineProcessError) as exc:
         print(f"ninfer-serve: {exc}", file=sys.stderr)
         return 1
 
@@ -130,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"NInfer: serving '{state.model_id}' at http://{shown}:{args.port}", flush=True)
 
     app.router.on_startup.append(announce)
-    server.run()
-    loop.stop()
+    try:
+        server.run()
+    finally:  # also when uvicorn re-raises Ctrl+C: the engine process is stopped, not left behind
+        loop.stop()
     if failure:
         print(f"ninfer-serve: engine failure: {failure[0]}", file=sys.stderr)
         return EXIT_ENGINE_FAILURE

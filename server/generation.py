@@ -144,7 +144,7 @@ def check_token_ids(state: ServerState, ids: Sequence[int], param: str, offset: 
     """Every id is one the tokenizer decodes and the model embeds (the engine's ``token_limit``;
     a checkpoint may declare more rows than its tokenizer has ids): a 400 naming ``param[i]``
     for the first that is not."""
-    limit = state.engine.loop.engine.token_limit
+    limit = state.engine.loop.token_limit
     if ids and (min(ids) < 0 or max(ids) >= limit):
         i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < limit)
         raise invalid(f"{param}[{offset + i}]", f"token id {t} is out of range [0, {limit})")

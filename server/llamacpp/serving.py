@@ -6,7 +6,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from ...engine.outputs import RequestOutput
-from ...engine.request import Status
 from ...engine.sampling_params import SamplingParamError
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
@@ -168,10 +167,9 @@ def props(state: ServerState) -> dict[str, Any]:
 def slots(state: ServerState) -> list[dict[str, Any]]:
     """One entry per execution lane: the resident requests in admission order, then idle lanes.
 
-    Read without locks from the engine's running list (copied in one step); prompts and outputs
-    are not shown, only counts."""
-    engine = state.engine.loop.engine
-    running = list(engine.scheduler.running)
+    From the engine's snapshot (``engine/snapshot.py``); prompts and outputs are not shown, only
+    counts."""
+    running = state.engine.loop.view().lanes
     lanes = []
     for i in range(state.engine.config.max_concurrency):
         req = running[i] if i < len(running) else None
@@ -180,12 +178,12 @@ def slots(state: ServerState) -> list[dict[str, Any]]:
             lane.update(state="idle", id_task=None)
         else:
             p = req.params
-            decoded = len(req.output_ids)
+            decoded = req.output_tokens
             lane.update(
-                state="prefill" if req.status is Status.PREFILL else "decode",
+                state="prefill" if req.prefilling else "decode",
                 id_task=req.request_id,
-                n_prompt_tokens=len(req.prompt_ids),
-                n_prompt_tokens_processed=min(req.num_computed, len(req.prompt_ids)),
+                n_prompt_tokens=req.prompt_tokens,
+                n_prompt_tokens_processed=req.prompt_computed,
                 n_decoded=decoded,
                 n_remain=-1 if p.max_tokens is None else max(p.max_tokens - decoded, 0),
                 params={"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ...engine.snapshot import EngineSnapshot
+
 from .metrics import CONTENT_TYPE, Metrics
 from .monitor import RequestMonitor
 from .request_log import RequestLog, redact_argv
 from .gpu import GpuTelemetry
 from .log_filter import RouteNameMiddleware
-from .stats import build_stats, read_gauges
+from .stats import build_stats
 from .trace import TraceMiddleware
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class Observability:
     def __init__(self, state: "ServerState", request_log: RequestLog | None = None,
                  stats_interval_ms: int = DEFAULT_STATS_INTERVAL_MS) -> None:
         self.state = state
-        self.engine = state.engine.loop.engine  # read only: counters, queues and pools
+        self.loop = state.engine.loop  # read only, through view(): counters, queues and pools
         self.started = time.monotonic()
         self.log = request_log
         self.stats_interval_s = stats_interval_ms / 1000.0
@@ -47,16 +49,20 @@ class Observability:
         self.gpu = GpuTelemetry()
         state.engine.observer = self.monitor
 
+    def view(self) -> EngineSnapshot:
+        """The engine's counters, gauges and lanes now (or as its process last sent them)."""
+        return self.loop.view()
+
     def server_start(self, settings: dict[str, Any], argv: list[str]) -> None:
         if self.log is None:
             return
-        engine, g = self.engine, read_gauges(self.engine)
+        g, model = self.view().gauges, self.loop.model_config
         config = self.state.engine.config
         self.log.write(
             "server_start",
             model_id=self.state.model_id,
-            family=engine.model.config.family,
-            model_type=engine.model.config.model_type,
+            family=model.family,
+            model_type=model.model_type,
             settings=settings,
             argv=redact_argv(argv, secrets=(self.state.api_key,)),
             engine={
@@ -124,15 +130,18 @@ def install(app: FastAPI, state: "ServerState") -> None:
 
 async def report_throughput(hub: Observability) -> None:
     """Every interval, one human line on stderr (and a ``throughput`` log event), unless idle."""
-    c = hub.engine.counters
+    def reading() -> tuple:
+        snap = hub.view()
+        c = snap.counters
+        return (time.monotonic(), c.prefill_tokens, c.generation_tokens, c.replayed_tokens), snap.gauges
+
     interval = hub.stats_interval_s
-    prev = (time.monotonic(), c.prefill_tokens, c.generation_tokens, c.replayed_tokens)
+    prev, _ = reading()
     while True:
         await asyncio.sleep(interval)
-        now = (time.monotonic(), c.prefill_tokens, c.generation_tokens, c.replayed_tokens)
+        now, g = reading()
         dt, prefill, generated, replayed = (b - a for a, b in zip(prev, now))
         prev = now
-        g = read_gauges(hub.engine)
         if not (prefill or generated or replayed or g.running or g.waiting or g.paused):
             continue
         parts = [f"prefill {prefill / dt:.1f} tok/s", f"decode {generated / dt:.1f} tok/s",

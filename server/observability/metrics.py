@@ -13,7 +13,6 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .stats import read_gauges
 
 if TYPE_CHECKING:
     from . import Observability
@@ -60,14 +59,12 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         hub = self.hub
-        engine = hub.engine
-        c = engine.counters
-        s = engine.scheduler.stats
-        g = read_gauges(engine)
+        snap = hub.view()
+        c, s, g = snap.counters, snap.scheduler, snap.gauges
         config = hub.state.engine.config
 
         info = GaugeMetricFamily("ninfer_model_info", "The served model", labels=["model", "family", "device", "dtype"])
-        info.add_metric([hub.state.model_id, engine.model.config.family, config.device,
+        info.add_metric([hub.state.model_id, hub.loop.model_config.family, config.device,
                          str(config.dtype).removeprefix("torch.")], 1)
         yield info
         yield _gauge("ninfer_engine_ready", "1 while the engine accepts work, 0 after an engine failure",

@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
 
 def test_failed_step_turns_health_503(tiny, monkeypatch):
     monkeypatch.setattr(LLMEngine, "step", broken_step)
-    state, loop = build_state(cli.build_parser().parse_args([str(tiny)]))
+    state, loop = build_state(cli.build_parser().parse_args([str(tiny), "--engine-thread"]))
     failures = []
     loop.on_failure = failures.append
     loop.start()
@@ -53,7 +53,7 @@ def test_failed_step_ends_the_process_with_code_2(tiny, monkeypatch):
     monkeypatch.setattr(LLMEngine, "step", broken_step)
     port = free_port()
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(cli.main([str(tiny), "--port", str(port)])))
+    thread = threading.Thread(target=lambda: result.append(cli.main([str(tiny), "--engine-thread", "--port", str(port)])))
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -43,11 +43,12 @@ def big_text(size: int) -> str:
 
 
 class Stream(threading.Thread):
-    """A streamed chat request that notes when each chunk of text (reasoning or answer) arrives."""
+    """A streamed chat request that notes when each chunk of text (reasoning or answer) arrives
+    and how much text it brings (a server that is behind sends what piled up as one chunk)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.arrivals, self.stop = url, [], threading.Event()
+        self.url, self.arrivals, self.sizes, self.stop = url, [], [], threading.Event()
 
     def run(self) -> None:
         body = {"model": "scripted", "stream": True, "temperature": 0, "messages": [{"role": "user", "content": "go"}]}
@@ -55,16 +56,19 @@ class Stream(threading.Thread):
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     choices = json.loads(line[len("data: "):])["choices"]
-                    if choices and (choices[0]["delta"].get("content") or choices[0]["delta"].get("reasoning_content")):
+                    text = choices[0]["delta"].get("content") or choices[0]["delta"].get("reasoning_content") \
+                        if choices else None
+                    if text:
                         self.arrivals.append(time.monotonic())
+                        self.sizes.append(len(text))
                 if self.stop.is_set():
                     return
 
     def pace(self, start: float, end: float) -> float:
-        """Seconds per token over [start, end]: stalls count in full."""
-        inside = [t for t in self.arrivals if start <= t <= end]
-        assert len(inside) >= 10, f"only {len(inside)} tokens between {start:.2f} and {end:.2f}"
-        return (inside[-1] - inside[0]) / (len(inside) - 1)
+        """Seconds per character of text over [start, end]: stalls count in full."""
+        inside = [(t, n) for t, n in zip(self.arrivals, self.sizes) if start <= t <= end]
+        assert len(inside) >= 10, f"only {len(inside)} chunks between {start:.2f} and {end:.2f}"
+        return (inside[-1][0] - inside[0][0]) / sum(n for _, n in inside[1:])
 
 
 def test_health_and_two_streams_keep_their_pace_while_a_30_mib_prompt_is_prepared(serve):
@@ -121,7 +125,8 @@ def test_health_and_two_streams_keep_their_pace_while_a_30_mib_prompt_is_prepare
                                         f"prepared (before: at most {max(health_before) * 1000:.0f} ms)")
     print(f"prepared for {after - during:.2f} s; /health median {statistics.median(health_during) * 1000:.0f} ms, "
           f"max {max(health_during) * 1000:.0f} ms; pace ratios "
-          f"{[round(s.pace(during, after) / s.pace(before, during), 2) for s in streams]}")
+          f"{[round(s.pace(during, after) / s.pace(before, during), 2) for s in streams]}; us/char "
+          f"{[(round(s.pace(before, during) * 1e6), round(s.pace(during, after) * 1e6)) for s in streams]}")
 
 
 

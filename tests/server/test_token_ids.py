@@ -22,9 +22,9 @@ def checkpoint(tmp_path_factory):
     return save_tiny_qwen3_5_padded_vocab(tmp_path_factory.mktemp("ckpt") / "padded")
 
 
-def serve(checkpoint, device: str):
+def serve(checkpoint, device: str, *flags: str):
     args = build_parser().parse_args([str(checkpoint), "--device", device, "--max-concurrency", str(REQUESTS),
-                                      "--max-context", "512", "--kv-capacity", "8192", "--model-id", "padded"])
+                                      "--max-context", "512", "--kv-capacity", "8192", "--model-id", "padded", *flags])
     state, loop = build_state(args)
     loop.start()
     return state, loop
@@ -66,7 +66,7 @@ def test_padded_vocabulary_serves_2000_sampled_tokens_across_8_requests(cpu_serv
 @pytest.mark.parametrize("temperature", [1.5, 0.0], ids=["sampled", "greedy-in-graph"])
 def test_padded_vocabulary_on_cuda(checkpoint, temperature):
     """The same on the GPU: batched decode in CUDA graphs, the greedy argmax inside the graph."""
-    state, loop = serve(checkpoint, "cuda")
+    state, loop = serve(checkpoint, "cuda", "--engine-thread")  # its engine read here
     try:
         assert state.engine.loop.engine.runner.graphs is not None
         with LiveServer(create_app(state)) as server:

@@ -15,11 +15,13 @@ from typing import Callable, Iterator
 import torch
 
 from ninfer.engine.config import ModelConfig
+from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.frontend.chat_template import ChatTemplate, builtin_template
 from ninfer.engine.frontend.qwen_tiktoken import load_qwen_tiktoken
 from ninfer.engine.frontend.tokenizer import Tokenizer
 from ninfer.engine.loader.checkpoint import Checkpoint, GenerationDefaults
+from ninfer.engine.loop import EngineLoop
 from ninfer.engine.models.base import CausalLM, ForwardBatch
 from ninfer.server.cli import build_parser
 
@@ -89,7 +91,7 @@ def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I hel
                       generation=GenerationDefaults(eos_token_ids=[eos]), source="scripted")
     template = ChatTemplate(ckpt.chat_template, eos_token="<|im_end|>")
     config: EngineConfig = engine_config(args, args.max_context or 32768, "cpu", torch.float32)
-    return assemble_state(args, ckpt, model, tok, template, config)
+    return assemble_state(args, ckpt, EngineLoop(LLMEngine(model, tok, config)), tok, template, config)
 
 
 def record_prompts(state) -> list[str]:

@@ -1,0 +1,82 @@
+"""What the gateway reads of the engine: counters, queue and pool gauges, the resident lanes.
+
+``take_snapshot(engine)`` reads them without locks, as the engine thread leaves them: a list is
+copied in one C call and sizes are plain ints, so reading never blocks the engine and at worst
+sees the state of a step boundary ago. With the engine in this process the gateway takes one
+whenever it asks (``EngineLoop.view``); with the engine in a process of its own (``process.py``)
+the engine sends them, and the gateway reads the latest one it got. A snapshot pickles small:
+no prompt, no output, no tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .request import Status
+from .sampling_params import SamplingParams
+from .scheduler import SchedulerStats
+from .stats import EngineCounters
+
+
+@dataclass
+class Gauges:
+    running: int = 0  # resident: prefilling + decoding
+    prefilling: int = 0
+    decode_ready: int = 0
+    waiting: int = 0  # never admitted yet
+    paused: int = 0  # preempted, waiting to resume
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    kv_page_size: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    host_cache_bytes_used: int = 0
+    host_cache_bytes_total: int = 0
+
+
+class Lane(NamedTuple):
+    """One resident request, as counts: what ``/slots`` shows of it."""
+
+    request_id: str
+    prefilling: bool
+    prompt_tokens: int
+    prompt_computed: int  # prompt tokens in the cache
+    output_tokens: int
+    params: SamplingParams
+    arrival: float  # time.monotonic() at submission
+
+
+@dataclass
+class EngineSnapshot:
+    counters: EngineCounters
+    scheduler: SchedulerStats
+    gauges: Gauges
+    lanes: list[Lane] = field(default_factory=list)  # resident requests in admission order
+
+
+def take_snapshot(engine) -> EngineSnapshot:
+    """The engine's counters (the live object: its fields are whole values), scheduler stats,
+    gauges and lanes, read from another thread without locks."""
+    running = list(engine.scheduler.running)
+    waiting = list(engine.scheduler.waiting)
+    paused = sum(r.status is Status.PAUSED for r in waiting)
+    g = Gauges(
+        running=len(running),
+        prefilling=sum(r.status is Status.PREFILL for r in running),
+        decode_ready=sum(r.status is Status.DECODE for r in running),
+        waiting=len(waiting) - paused,
+        paused=paused,
+    )
+    caches = engine.caches
+    if caches.kv is not None:
+        g.kv_pages_total = caches.kv.num_pages
+        g.kv_pages_used = caches.kv.num_used
+        g.kv_page_size = caches.kv.page_size
+    if caches.states is not None:
+        g.state_slots_total = caches.states.num_slots
+        g.state_slots_used = caches.states.num_used
+    g.host_cache_bytes_used = caches.host_bytes_used
+    g.host_cache_bytes_total = caches.host_cache_bytes
+    lanes = [Lane(r.request_id, r.status is Status.PREFILL, len(r.prompt_ids), min(r.num_computed, len(r.prompt_ids)),
+                  len(r.output_ids), r.params, r.arrival) for r in running]
+    return EngineSnapshot(engine.counters, engine.scheduler.stats, g, lanes)
