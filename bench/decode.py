@@ -1,14 +1,16 @@
 """Decode and prefill throughput against the hardware limit, with HF transformers as the peer.
 
     python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
-                           [--prefill 512,16384] [--steps 32] [--no-hf] [--json FILE]
+                           [--prefill 512,16384] [--steps 32] [--beside 8] [--no-hf] [--json FILE]
                            [--set engine.layers.paged_attention_triton.MAX_SPLITS=32 ...]
 
 Random bf16 weights at the real shape are made directly on the GPU (no checkpoint). The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
-bandwidth floor reached; then the same work through HF transformers (+ fla-core). It prints a
+bandwidth floor reached; with ``--beside N``, each prompt again while N requests decode beside it
+(its prefill tok/s, and the decoders' gap between tokens with and without it); then the same work
+through HF transformers (+ fla-core). It prints a
 table and writes JSON. ``--set`` replaces a module-level setting of the package, or one entry of a
 dict setting (``MODULE.NAME[KEY]=VALUE``), with a Python literal of the same type before anything
 is built, so one GPU call can time a step with and without a launch choice; the settings are
@@ -24,6 +26,7 @@ import json
 import platform
 import time
 
+import numpy as np
 import torch
 
 from ninfer.engine.layers import pdl
@@ -92,8 +95,11 @@ def bytes_per_step(cfg, batch: int, context: int) -> float:
     return weights + state + kv
 
 
+BESIDE_REPS = 8  # prompts timed one after another beside the decoders
+
+
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
-            prefill_chunk: int | None = None):
+            prefill_chunk: int | None = None, beside: int = 0):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -105,8 +111,11 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     randomize_(model)
     fuse_model_projections(model)
     out = steps + max_batch  # a request also decodes while the later ones are prefilled
+    chunk = prefill_chunk or max(prefill_max, 2048)
+    if beside:  # decoders go on through the steps of every prompt prefilled beside them
+        out += _beside_tokens(steps, prefill_max, chunk)
     max_ctx = max(context + out + 96, prefill_max + 16)
-    ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch, prefill_chunk=prefill_chunk or max(prefill_max, 2048),
+    ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch + (beside > 0), prefill_chunk=chunk,
                         kv_capacity=max_batch * (context + out + 32) + max_ctx, page_size=16,
                         host_cache_mib=0, device=device, dtype=dtype)
     return LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
@@ -159,10 +168,57 @@ def decode_step_s(engine, reqs, steps: int) -> float:
     return dt
 
 
+def _beside_tokens(steps: int, prompt_len: int, chunk: int) -> int:
+    """Tokens a decoder of ``prefill_beside`` makes: warm-up and timed steps, then the steps of
+    each prompt (its chunks and its first token)."""
+    return steps + 4 + (BESIDE_REPS + 1) * (-(-prompt_len // chunk) + 2)
+
+
+def prefill_beside(engine, cfg, prompt_len: int, beside: int, context: int, steps: int,
+                   reps: int = BESIDE_REPS) -> dict:
+    """A ``prompt_len`` prompt prefilled ``reps`` times, one after another, while ``beside``
+    requests of ``context`` tokens decode: the prompt's tok/s (median), and the decoders' gap
+    between tokens (one engine step each) over ``steps`` steps without a prompt and over the
+    steps that carried one."""
+    tokens = _beside_tokens(steps, prompt_len, engine.config.prefill_chunk)
+    decoders = _requests(beside, context, tokens, cfg.vocab_size, f"b{prompt_len}-", engine.config.max_context)
+    decode_step_s(engine, decoders, 2)  # prefilled and decoding
+    alone = _step_times(engine, steps)
+    beside_gaps, rates = [], []
+    for k in range(reps + 1):  # the first one warms the mix up
+        (req,) = _requests(1, prompt_len, 1, cfg.vocab_size, f"p{prompt_len}-{k}-", engine.config.max_context)
+        req.prompt_ids[0] = k  # no two prompts alike
+        _sync()
+        t0 = time.perf_counter()
+        engine.add_request(req)
+        gaps = []
+        while not req.is_finished:
+            gaps += _step_times(engine, 1)
+        dt = time.perf_counter() - t0
+        if k:
+            beside_gaps += gaps
+            rates.append(prompt_len / dt)
+    for r in decoders:
+        engine.abort(r.request_id)
+    p99 = lambda xs: float(np.percentile(xs, 99)) * 1e3  # noqa: E731
+    return {"decoders": beside, "prefill_tok_s": float(np.median(rates)), "gap_p99_alone_ms": p99(alone),
+            "gap_p99_beside_ms": p99(beside_gaps), "gap_ratio": p99(beside_gaps) / p99(alone)}
+
+
+def _step_times(engine, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
-               device: str = "cuda", prefill_chunk: int | None = None) -> dict:
+               device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
-    engine = _engine(cfg, max(batches), context, steps, max(prefills), device, prefill_chunk)
+    engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills), device, prefill_chunk, beside)
     out: dict = {"decode": {}, "prefill": {}}
     for b in batches:
         reqs = _requests(b, context, steps + b + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
@@ -184,6 +240,8 @@ def bench_ours(name: str, batches: list[int], context: int, prefills: list[int],
             _sync()
             dt = time.perf_counter() - t0
         out["prefill"][n] = {"s": dt, "tok_s": n / dt}
+        if beside:
+            out["prefill"][n]["beside"] = prefill_beside(engine, cfg, n, beside, context, steps)
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -302,6 +360,11 @@ def table(results: dict, ceilings: dict) -> str:
             hf_txt = f"{h['tok_s']:.0f} tok/s" if "tok_s" in h else h.get("error", "-")
             ratio = f"{p['tok_s'] / h['tok_s']:.1f}x" if "tok_s" in h else "-"
             rows.append(f"| {name} | prefill {n} | {p['tok_s']:.0f} tok/s | {hf_txt} | {ratio} | | | |")
+            if "beside" in p:
+                b = p["beside"]
+                rows.append(f"| {name} | prefill {n} beside {b['decoders']} decoding | {b['prefill_tok_s']:.0f} tok/s; "
+                            f"their gap p99 {b['gap_p99_beside_ms']:.2f} ms, alone {b['gap_p99_alone_ms']:.2f} ms "
+                            f"({b['gap_ratio']:.1f}x) | | | | | |")
     return "\n".join(rows)
 
 
@@ -374,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per step (default: each prompt in one step; the server's default is 2048)")
+    p.add_argument("--beside", type=int, default=0,
+                   help="also time each prompt while this many requests decode beside it")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--hf-batches", default="1,8", help="batch sizes for the transformers peer")
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
@@ -394,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.shape:
         results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
-                                                 prefill_chunk=args.prefill_chunk)}
+                                                 prefill_chunk=args.prefill_chunk, beside=args.beside)}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

@@ -56,7 +56,9 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
     return (page * P + t % P) * HKV + kvh
 
 
-@triton.jit
+# integers that move from step to step (block-table width, splits, gate strides) are not
+# specialized on (== 1, % 16): each new value would compile a variant inside a user's request
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                     stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
@@ -101,7 +103,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
     tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_gb", "stride_gh"])
 def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_gb, stride_gh,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
                    S_BLOCK: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
@@ -149,8 +151,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     group = h // hkv
     g_pad = max(16, triton.next_power_of_2(group))
     block_n = t.get("BLOCK_N", 32 if d >= 256 else 64)
+    max_splits = t.get("MAX_SPLITS") or MAX_SPLITS
     num_splits = num_splits_for(b, hkv, block_tables.shape[1] * p, block_n, q.device, t.get("PROGRAMS_PER_SM"),
-                                t.get("MAX_SPLITS"))
+                                max_splits)
     m = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
@@ -166,7 +169,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     block_d = min(d, t.get("REDUCE_BLOCK_D", REDUCE_BLOCK_D))
     _reduce_kernel[(b * h, d // block_d)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d, BLOCK_D=block_d,
-                             S_PAD=triton.next_power_of_2(num_splits),
-                             S_BLOCK=min(8, triton.next_power_of_2(num_splits)), GATED=gate is not None,
+                             # padded to the shape's most splits, not this step's: one variant per shape
+                             S_PAD=triton.next_power_of_2(max_splits),
+                             S_BLOCK=min(8, triton.next_power_of_2(max_splits)),
+                             GATED=gate is not None,
                              **pdl_options(q))
     return out

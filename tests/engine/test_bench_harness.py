@@ -2,7 +2,7 @@
 time is never spent finding a bug in the bench itself."""
 from __future__ import annotations
 
-from bench.decode import bench_ours, bytes_per_step
+from bench.decode import bench_ours, bytes_per_step, table
 from ninfer.engine.config import ModelConfig
 
 TINY = {
@@ -100,3 +100,17 @@ def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch
     with pytest.raises(SystemExit) as e:  # the command line refuses it before touching the GPU
         main(["--shape", "qwen3.5-0.8b", "--set", "engine.layers.paged_attention_triton.MAX_SPLITS=x"])
     assert e.value.code == 2
+
+
+def test_prefill_beside_decoders_reads_the_prompt_rate_and_their_gaps_with_and_without_it():
+    """``--beside 3``: each prompt is prefilled again while three requests decode; the decoders
+    go on decoding through every prompt (none runs out of tokens or context), and the table
+    shows the prompt's rate and their gap p99 with and without it."""
+    cfg = ModelConfig.from_hf_dict(TINY)
+    out = bench_ours(cfg, [1], context=24, prefills=[40], steps=4, device="cpu", prefill_chunk=16, beside=3)
+    b = out["prefill"][40]["beside"]
+    assert b["decoders"] == 3 and b["prefill_tok_s"] > 0
+    assert 0 < b["gap_p99_alone_ms"] and 0 < b["gap_p99_beside_ms"]
+    assert b["gap_ratio"] == b["gap_p99_beside_ms"] / b["gap_p99_alone_ms"]
+    shown = table({"tiny": {"ninfer": out}}, {"gpu": "cpu", "copy_gb_s": 10.0, "matmul_tflops": 1.0})
+    assert "prefill 40 beside 3 decoding" in shown and f"({b['gap_ratio']:.1f}x)" in shown
