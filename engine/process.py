@@ -186,9 +186,15 @@ class EngineProcess:
 
 
 # ---------------------------------------------------------------------- the child
+def _exit_later(seconds: float) -> None:
+    timer = threading.Timer(seconds, os._exit, (0,))
+    timer.daemon = True  # a child stopped in order before then is not held back by it
+    timer.start()
+
+
 def _child_main(build: Callable[..., Any], args: tuple, log_level: int, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway stops the engine in order
-    signal.signal(signal.SIGTERM, lambda *_: threading.Timer(TERM_GRACE_S, os._exit, (0,)).start())
+    signal.signal(signal.SIGTERM, lambda *_: _exit_later(TERM_GRACE_S))
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = build(*args)

@@ -87,7 +87,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             if not x.is_cuda:  # the interpreter: fewer, taller programs
                 tiles = dict(tiles, BLOCK_N=_INTERPRET_BLOCK_N)
             return gemv_triton(x, weight, bias, tiles)
+    if x.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2:
+        return cpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on the CPU as ``weight @ x.T``: MKL then streams the weight once for the few
+    rows of a decode step, where ``F.linear``'s GEMM reads it several times over (a 30-layer
+    stack of SmolLM2's shapes on two cores: 2.6x faster at 2 to 4 rows, 1.3x at 64, the same at 1)."""
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out + bias
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,

@@ -6,6 +6,7 @@ and to ``paged_decode_attention_ref`` elsewhere; the reference is what the kerne
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
@@ -49,5 +50,23 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
 
         _check(q, k_pages, v_pages, block_tables, context_lens)
         return paged_decode_attention_triton(q, k_pages, v_pages, block_tables, context_lens, scale, gate)
-    out = paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, scale)
+    out = paged_decode_attention_sdpa(q, k_pages, v_pages, block_tables, context_lens, scale)
     return out if gate is None else out * torch.sigmoid(gate)
+
+
+def paged_decode_attention_sdpa(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """``paged_decode_attention_ref`` through torch's fused attention (the CPU path): each KV
+    head's group of query heads are the queries of one call, so K and V are gathered once and
+    never repeated per query head."""
+    _check(q, k_pages, v_pages, block_tables, context_lens)
+    b, h, d = q.shape
+    _, p, hkv, _ = k_pages.shape
+    m = block_tables.shape[1]
+    k = k_pages[block_tables.long()].reshape(b, m * p, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_pages[block_tables.long()].reshape(b, m * p, hkv, d).transpose(1, 2)
+    valid = torch.arange(m * p, device=q.device)[None, :] < context_lens[:, None].long()
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d).to(k.dtype), k, v,
+                                         attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(b, h, d).to(q.dtype)

@@ -240,3 +240,20 @@ def test_split_linear_gives_each_projection_contiguous(long):
     for got, ref in zip(parts, want):
         torch.testing.assert_close(got, ref)
         assert got.is_contiguous() == (rows > SPLIT_ROWS)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 256), (4, 4, 32)])
+def test_cpu_paged_decode_attention_matches_its_reference(heads):
+    """The CPU path (torch's fused attention, one call per KV head's query group) gives the
+    reference's output: GQA, a context of one token, pages partly filled, a full block table."""
+    from ninfer.engine.layers.paged_attention import paged_decode_attention_ref, paged_decode_attention_sdpa
+
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(h)
+    k_pages, v_pages = (torch.randn(40, 16, hkv, d, generator=g) for _ in range(2))
+    tables = torch.randperm(40, generator=g)[:15].view(3, 5).to(torch.int32)
+    lens = torch.tensor([1, 37, 80], dtype=torch.int32)
+    q = torch.randn(3, h, d, generator=g)
+    ref = paged_decode_attention_ref(q, k_pages, v_pages, tables, lens, d ** -0.5)
+    torch.testing.assert_close(paged_decode_attention_sdpa(q, k_pages, v_pages, tables, lens, d ** -0.5), ref,
+                               atol=1e-5, rtol=1e-5)
