@@ -52,15 +52,27 @@ def weight_files(path: str) -> dict[str, list[str]]:
         return {os.path.join(path, f): names for f, names in sorted(files.items())}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.exists(single):
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return {single: list(f.keys())}
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def _opened(file: str):
+    """``safe_open`` of a weights file; one that is not whole (an interrupted download) is a
+    ValueError naming it, which the server reports at start without a traceback."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (not exported as a base)
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise
+        raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be an incomplete download") \
+            from None
 
 
 def iter_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``."""
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with _opened(file) as f:
             for name in names:
                 if skipped_prefix(name) is None:
                     yield normalise_name(name), f.get_tensor(name)

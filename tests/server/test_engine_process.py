@@ -125,3 +125,19 @@ def test_an_engine_that_cannot_be_built_stops_the_server_at_start_with_the_reaso
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1].startswith("ninfer-serve: shape mismatch for 'model.layers.0.mlp.")
     assert "Traceback" not in done.stderr  # a checkpoint that does not fit is the user's to fix, not a crash
+
+
+def test_a_weights_file_cut_short_stops_the_server_with_its_name(tiny, tmp_path):
+    """An interrupted download: the server says which file cannot be read, no traceback."""
+    broken = tmp_path / "cut"
+    broken.mkdir()
+    for f in tiny.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    done = subprocess.run([sys.executable, "-m", "ninfer.server.cli", str(broken), "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"ninfer-serve: {weights} is not a readable safetensors file")
+    assert "Traceback" not in done.stderr
