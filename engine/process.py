@@ -6,7 +6,7 @@ engine's (scheduling, launching, detokenizing) never wait on one interpreter loc
 spawns the child, which builds its engine with ``build(*args)`` (a module-level function: the
 child imports it anew) and runs an ``EngineLoop``; ``start`` begins reading what it sends; one pipe carries commands to it and, after each
 step, that step's outputs back in one message, with an ``EngineSnapshot`` whenever a request
-finished or 50 ms have passed (the gateway's ``/stats`` and ``/metrics`` read the latest one). A
+was admitted or finished, or 50 ms have passed (the gateway's ``/stats`` and ``/metrics`` read the latest one). A
 reader thread here hands the outputs to their requests' sinks.
 
 A failed step in the child, the child's death, or its pipe breaking is an engine failure:
@@ -46,11 +46,10 @@ class EngineProcessError(RuntimeError):
 
 class EngineProcess:
     def __init__(self, build: Callable[..., Any], args: tuple = (), log_level: int = logging.INFO,
-                 on_failure: Callable[[BaseException], None] | None = None, start_timeout_s: float | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.on_failure = on_failure
         self.failed: BaseException | None = None
         self._build, self._args, self._log_level = build, args, log_level
-        self._start_timeout_s = start_timeout_s
         self._sinks: dict[str, Sink] = {}
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # orders submit() against a failure
@@ -71,13 +70,9 @@ class EngineProcess:
         self._proc.start()
         child.close()
         atexit.register(self.stop)  # before multiprocessing's own exit hook, which would SIGTERM it
-        deadline = None if self._start_timeout_s is None else time.monotonic() + self._start_timeout_s
         while not self._conn.poll(0.2):
             if not self._proc.is_alive():
                 raise EngineProcessError(f"the engine process exited with code {self._proc.exitcode} while starting")
-            if deadline is not None and time.monotonic() > deadline:
-                self._kill()
-                raise EngineProcessError(f"the engine process did not start within {self._start_timeout_s:g} s")
         try:
             kind, *rest = self._conn.recv()
         except (EOFError, OSError) as exc:
@@ -111,10 +106,6 @@ class EngineProcess:
     def _kill(self) -> None:
         self._proc.kill()
         self._proc.join(10)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request, sink: Sink) -> None:
@@ -214,8 +205,8 @@ def _child_main(build: Callable[..., Any], args: tuple, log_level: int, conn) ->
             conn.send(message)
 
     def flush() -> None:
-        """This step's outputs in one message; a snapshot with them when one finished or
-        ``SNAPSHOT_EVERY_S`` has passed since the last."""
+        """This step's outputs in one message; a snapshot with them when a request was admitted
+        or finished, or ``SNAPSHOT_EVERY_S`` has passed since the last."""
         now = time.monotonic()
         due = now - last[0] >= SNAPSHOT_EVERY_S
         if not batch and not due:

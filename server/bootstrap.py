@@ -163,10 +163,13 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
     return ckpt, tokenizer, config
 
 
+def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig) -> LLMEngine:
+    return LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config)
+
+
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine ``args`` name, weights loaded: what the engine process runs."""
-    ckpt, tokenizer, config = _resolve(args)
-    return LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config)
+    return _engine(*_resolve(args))
 
 
 def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | EngineProcess]:
@@ -176,7 +179,7 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | Eng
     ckpt, tokenizer, config = _resolve(args)
     template = resolve_template(ckpt, tokenizer, args.chat_template)
     if args.engine_thread:
-        loop = EngineLoop(LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config))
+        loop = EngineLoop(_engine(ckpt, tokenizer, config))
     else:
         loop = EngineProcess(build_engine, (args,), logging.getLogger().getEffectiveLevel())
         loop.launch()
