@@ -97,6 +97,7 @@ def test_every_menu_entry_does_what_it_says(tray, qwen_08b_dir, app_home):
     assert ready(app)
     by_label(app.entries(), "Share on local network").action()
     assert not app.settings.share and flag(app.resolved.command, "--host") is None
+    assert ready(app)  # that restart has its server up before the next one is counted
 
     by_label(app.entries(), "View logs").action()
     assert opener.calls[-1] == ("path", str(log_dir() / "server.log"))
