@@ -237,6 +237,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str,
                 error: str | None = None) -> RequestOutput:
         self.scheduler.remove(req)
+        self.runner.sampler.release(req)
         req.finish(reason, stop_reason)
         self._processors.pop(req.request_id, None)
         self.counters.finished(req)

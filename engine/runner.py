@@ -17,7 +17,7 @@ import torch
 from .cache.manager import CacheManager
 from .models.base import CausalLM
 from .request import Request
-from .sampler import sample_tokens
+from .sampler import Sampler
 from .step import build_step
 
 
@@ -65,6 +65,7 @@ class ModelRunner:
         # ids the sampler may pick: the first ``vocab`` logits (a checkpoint's LM head may have
         # rows past its tokenizer's last id; None = every row)
         self.vocab = vocab
+        self.sampler = Sampler(device)
         self.graphs = None  # CudaGraphDecoder, when captured
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._turn = 0
@@ -109,7 +110,7 @@ class ModelRunner:
                   greedy: torch.Tensor | None = None) -> Launched:
         if not ready:
             return Launched(plan, [], None, decode)
-        tokens = sample_tokens(logits, ready, greedy)
+        tokens = self.sampler.sample(logits, ready, greedy)
         return Launched(plan, ready, tokens, decode, self._readback(len(ready)),
                         in_place=greedy is not None and tokens is greedy)
 

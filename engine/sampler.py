@@ -1,10 +1,15 @@
-"""Token selection from logits, per request: penalties, then greedy or temperature / top-k /
-top-p / min-p sampling.
+"""Token selection for a whole step at once: penalties, then greedy or temperature / top-k /
+top-p / min-p sampling, in batched tensor operations (no loop over rows but the noise draw).
 
-Each request samples with its own ``torch.Generator`` so that its output depends on its own seed
-only, never on what else is in the batch.
+A row is sampled as ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per candidate (the exponential
+race, exact for any distribution ``p``), its noise drawn from its own ``torch.Generator``: its
+token depends on its own seed and logits only, never on what else is in the step. Rows with a
+``top_k`` work on their ``top_k`` best ids only; the others on the full vocabulary. Penalties read each request's output counts and prompt ids from device
+tensors that the sampler keeps up to date (``_History``). Nothing here waits for the device.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,78 +28,226 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> torch.Tensor:
-    """Repetition penalty over prompt + output (divide positive / multiply negative logits);
-    presence and frequency penalties over the output only, as OpenAI defines them."""
-    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids = torch.tensor(output_ids, device=logits.device)
-        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p and min-p.
-
-    Whatever the values (a temperature or penalty so small that the logits overflow, a top_p that
-    rounds to 0 in fp32), the most likely token keeps a probability: a NaN or empty distribution
-    would fail the whole engine step."""
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
-    top = logits.max()
-    logits = torch.where(logits == top, 0.0, (logits - top) / params.temperature)  # the best at 0, none +inf
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = before >= params.top_p * sorted_probs.sum()
-        drop[0] = False  # the nucleus holds at least the most likely token
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs / probs.sum()
-
-
-def sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """The token for one row, as a one-element tensor left on the device (read later, together)."""
-    params = req.params
-    logits = apply_penalties(logits.float().clone(), params, req.prompt_ids, req.output_ids)
-    if params.greedy:
-        return torch.argmax(logits).reshape(1)
-    probs = filtered_probs(logits, params)
-    return torch.multinomial(probs, 1, generator=req.generator)
-
-
-def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and not uses_history(params)
-
-
 def uses_history(params: SamplingParams) -> bool:
     """Whether the token depends on the request's earlier tokens (penalties), so it cannot be
     sampled before the previous token has been read back."""
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
-def sample_tokens(logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
-    left on the device: every row is decided there (plain greedy rows in one argmax, ``greedy``
-    where the caller has it already; returned as is when every row is plain greedy)."""
-    if greedy is None:
-        greedy = torch.argmax(logits, dim=-1)
-    if all(_plain_greedy(r.params) for r in reqs):
-        return greedy
-    return torch.cat([greedy[i : i + 1] if _plain_greedy(r.params) else sample_one(logits[i], r)
-                      for i, r in enumerate(reqs)])
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and not uses_history(params)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """``sample_tokens`` read back with one copy."""
-    return sample_tokens(logits, reqs).tolist()
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device (a pinned staging copy)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class _Params:
+    """The filter values of some rows, one column each, on the device."""
+
+    temperature: torch.Tensor  # [n, 1]
+    top_k: torch.Tensor  # [n, 1] long, 0 = off
+    top_p: torch.Tensor  # [n, 1]
+    min_p: torch.Tensor  # [n, 1]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> _Params:
+        table = _on(device, [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], torch.float64)
+        return cls(table[:, 0:1].float(), table[:, 1:2].long(), table[:, 2:3].float(), table[:, 3:4].float())
+
+
+def _filtered(logits: torch.Tensor, params: _Params, ranked: bool) -> torch.Tensor:
+    """Probabilities ``[n, C]`` (fp32) after temperature, top-k, top-p and min-p, per row.
+
+    ``ranked``: each row holds a row's ``top_k`` best logits (and maybe more, for others in the
+    group), in descending order (``torch.topk``): top-k is a mask on positions and top-p needs no
+    sort. Otherwise the rows have no top-k and cover the whole vocabulary. Whatever the values (a
+    temperature or penalty so small that the logits overflow, a top_p that rounds to 0 in fp32),
+    the most likely token keeps a probability: a NaN or empty distribution would fail the step."""
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    top = x.amax(dim=-1, keepdim=True)
+    x = torch.where(x == top, 0.0, (x - top) / params.temperature)  # the best at 0, none +inf
+    if ranked:
+        x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) >= params.top_k, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    ordered, order = (probs, None) if ranked else torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    drop = (before >= params.top_p * ordered.sum(dim=-1, keepdim=True)) & (params.top_p < 1.0)
+    drop[:, 0] = False  # the nucleus holds at least the most likely token
+    ordered = ordered.masked_fill(drop, 0.0)
+    probs = ordered if order is None else torch.zeros_like(probs).scatter_(-1, order, ordered)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _ranked(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab
+
+
+def _candidates(x: torch.Tensor, params: list[SamplingParams], ranked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The probabilities rows sample from and, for ranked rows (all with a top_k), the ids they
+    stand for (``None``: position = id)."""
+    table = _Params.of(params, x.device)
+    if not ranked:
+        return _filtered(x, table, ranked=False), None
+    values, ids = torch.topk(x, max(p.top_k for p in params), dim=-1)
+    return _filtered(values, table, ranked=True), ids
+
+
+def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The filtered distribution ``[n, V]`` each row samples from (penalties already applied)."""
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    probs = torch.zeros_like(x)
+    for ranked in (True, False):
+        rows = [i for i, p in enumerate(params) if _ranked(p, x.shape[-1]) == ranked]
+        if rows:
+            at = torch.tensor(rows, device=x.device)
+            p, ids = _candidates(x[at], [params[i] for i in rows], ranked)
+            probs[at] = p if ids is None else torch.zeros_like(x[at]).scatter_(-1, ids, p)
+    return probs
+
+
+class _History:
+    """Per request that uses penalties, on the device: how often each id occurs in its output
+    (``counts``) and which ids its prompt holds (``prompt``). Rows of two pooled tensors, brought
+    up to date with the output ids appended since the last step in one scatter for all rows."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counts: torch.Tensor | None = None  # [rows, V] int32
+        self.prompt: torch.Tensor | None = None  # [rows, V] bool
+        self._row: dict[str, list[int]] = {}  # request id -> [row, output ids counted]
+        self._free: list[int] = []
+
+    def release(self, req: Request) -> None:
+        entry = self._row.pop(req.request_id, None)
+        if entry is not None:
+            self._free.append(entry[0])
+
+    def rows(self, reqs: list[Request], vocab: int) -> torch.Tensor:
+        """The pool rows of ``reqs`` (taken for those new to it), counting their new output ids."""
+        new = [r for r in reqs if r.request_id not in self._row]
+        if new:
+            self._take(new, vocab)
+        rows, cols = [], []
+        for r in reqs:
+            entry = self._row[r.request_id]
+            fresh = r.output_ids[entry[1]:]
+            rows += [entry[0]] * len(fresh)
+            cols += fresh
+            entry[1] = len(r.output_ids)
+        if rows:
+            at = _on(self.device, [rows, cols], torch.long)
+            self.counts.index_put_((at[0], at[1]), torch.ones(len(rows), dtype=torch.int32, device=self.device),
+                                   accumulate=True)
+        return _on(self.device, [self._row[r.request_id][0] for r in reqs], torch.long)
+
+    def _take(self, new: list[Request], vocab: int) -> None:
+        need = len(new) - len(self._free)
+        if need > 0:
+            have = 0 if self.counts is None else self.counts.shape[0]
+            size = max(have * 2, have + need, 4)
+            counts = torch.zeros(size, vocab, dtype=torch.int32, device=self.device)
+            prompt = torch.zeros(size, vocab, dtype=torch.bool, device=self.device)
+            if self.counts is not None:
+                counts[:have] = self.counts
+                prompt[:have] = self.prompt
+            self.counts, self.prompt = counts, prompt
+            self._free += range(size - 1, have - 1, -1)
+        rows, cols = [], []
+        taken = []
+        for r in new:
+            row = self._free.pop()
+            taken.append(row)
+            self._row[r.request_id] = [row, 0]
+            ids = [t for t in set(r.prompt_ids) if t < vocab]
+            rows += [row] * len(ids)
+            cols += ids
+        at = _on(self.device, taken, torch.long)
+        self.counts[at] = 0
+        self.prompt[at] = False
+        if rows:
+            where = _on(self.device, [rows, cols], torch.long)
+            self.prompt[where[0], where[1]] = True
+
+    def penalize(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """``logits`` ``[n, V]`` of ``reqs`` with their penalties: the repetition penalty over prompt
+        and output ids (positive logits divided, negative multiplied); presence and frequency
+        penalties over the output only, as OpenAI defines them."""
+        rows = self.rows(reqs, logits.shape[-1])
+        values = _on(self.device, [[r.params.repetition_penalty, r.params.presence_penalty,
+                                    r.params.frequency_penalty] for r in reqs], torch.float64).float()
+        rep, presence, frequency = values[:, 0:1], values[:, 1:2], values[:, 2:3]
+        counts = self.counts[rows].to(logits.dtype)
+        seen = (counts > 0) | self.prompt[rows]
+        logits = torch.where(seen & (rep != 1.0), torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def _exponential_(row: torch.Tensor, generator: torch.Generator | None) -> None:
+    """``row`` filled with Exp(1) draws: one kernel on CUDA; on the CPU as ``-log(U)``, three
+    times faster there than its ``exponential_``."""
+    if row.device.type == "cuda":
+        row.exponential_(generator=generator)
+    else:
+        row.uniform_(generator=generator).log_().neg_()
+
+
+class Sampler:
+    """One token per row of a step's logits, decided on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.history = _History(device)
+
+    def release(self, req: Request) -> None:
+        """Forget a finished request's token history."""
+        self.history.release(req)
+
+    def penalized(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """fp32 logits ``[n, V]`` with each request's penalties (rows without any unchanged)."""
+        logits = logits.float().clone()
+        rows = [i for i, r in enumerate(reqs) if uses_history(r.params)]
+        if rows:
+            at = _on(self.device, rows, torch.long)
+            logits[at] = self.history.penalize(logits[at], [reqs[i] for i in rows])
+        return logits
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
+        left on the device. Plain greedy rows take one argmax over the step (``greedy``, where
+        the caller has it already; returned as is when every row is plain greedy)."""
+        if greedy is None:
+            greedy = torch.argmax(logits, dim=-1)
+        rows = [i for i, r in enumerate(reqs) if not _plain_greedy(r.params)]
+        if not rows:
+            return greedy
+        reqs = [reqs[i] for i in rows]
+        at = _on(self.device, rows, torch.long)
+        x = torch.nan_to_num(self.penalized(logits[at], reqs), nan=float("-inf"))
+        chosen = torch.argmax(x, dim=-1)  # right for the greedy rows with penalties
+        for ranked in (True, False):
+            group = [i for i, r in enumerate(reqs) if not r.params.greedy and _ranked(r.params, x.shape[-1]) == ranked]
+            if group:
+                where = _on(self.device, group, torch.long)
+                chosen[where] = self._draw(x[where], [reqs[i] for i in group], ranked)
+        tokens = greedy.clone()
+        tokens[at] = chosen.to(tokens.dtype)
+        return tokens
+
+    def _draw(self, x: torch.Tensor, reqs: list[Request], ranked: bool) -> torch.Tensor:
+        """``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d., drawn from each request's own generator: one
+        per id over the vocabulary, or for a ranked row one per rank of its own ``top_k`` (the
+        ranks are a function of its logits alone, so the draw does not depend on the batch)."""
+        probs, ids = _candidates(x, [r.params for r in reqs], ranked)
+        noise = torch.ones_like(probs)
+        for i, r in enumerate(reqs):
+            row = noise[i] if ids is None else noise[i, : r.params.top_k]
+            _exponential_(row, r.generator)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        pick = torch.argmax(probs / noise, dim=-1, keepdim=True)
+        return pick.squeeze(-1) if ids is None else ids.gather(-1, pick).squeeze(-1)
