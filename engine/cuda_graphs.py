@@ -82,8 +82,7 @@ class _Stage:
         self.clear(n)
         ids, pos, writes, slots, lens = [], [], [], [], []
         for i, req in enumerate(reqs):
-            cache = req.cache
-            p = cache.num_tokens
+            cache, p = req.cache, req.num_computed
             ids.append(req.token_at(req.num_computed) if req.num_computed < req.num_tokens else 0)
             pos.append(req.num_computed)
             writes.append(pool_row(cache.pages, p, page_size))

@@ -129,15 +129,10 @@ class ModelRunner:
                 follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of one decode token per request, and their argmax where a captured graph took
         it; ``follow``: ``ids`` are already the graph's input ids (``CudaGraphDecoder.run``)."""
-        greedy = None
         if self.graphs is not None and self.graphs.fits(reqs):
-            logits, greedy = self.graphs.run(reqs, ids, follow)
-        else:
-            step = build_step([(r, 1) for r in reqs], self.caches, self.device, ids)
-            return sampled_logits(self.model, self.model(step.input_ids, step.batch), self.vocab), None
-        for r in reqs:  # the model's forward counts them in; a replayed graph does not
-            r.cache.num_tokens += 1
-        return logits, greedy
+            return self.graphs.run(reqs, ids, follow)
+        step = build_step([(r, 1) for r in reqs], self.caches, self.device, ids)
+        return sampled_logits(self.model, self.model(step.input_ids, step.batch), self.vocab), None
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
         """Any step, eager: one forward over every row, the logits of the rows that reach their

@@ -109,5 +109,6 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
                     prompt=prompt)
-    batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, n in plan], caches=[r.cache for r, _ in plan], step=meta)
+    batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, n in plan], caches=[r.cache for r, _ in plan],
+                         step=meta)
     return Step(input_ids, batch, plan, sample_t, sampled)

@@ -18,7 +18,6 @@ from .state_pool import StateSlotPool
 
 @dataclass
 class HostSnapshot:
-    num_tokens: int
     keys: torch.Tensor | None  # [L_attn, pages, P, Hkv, D]
     values: torch.Tensor | None
     conv: torch.Tensor | None  # [L_gdn, W-1, C]
@@ -117,7 +116,6 @@ class CacheManager:
         if self.host_cache_bytes and self.host_bytes_used + self.snapshot_bytes(cache) <= self.host_cache_bytes:
             idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device) if self.kv else None
             snap = HostSnapshot(
-                num_tokens=cache.num_tokens,
                 keys=self.kv.keys[:, idx].to("cpu", copy=True) if self.kv else None,
                 values=self.kv.values[:, idx].to("cpu", copy=True) if self.kv else None,
                 conv=self.states.conv[:, cache.slot].to("cpu", copy=True) if self.states else None,
@@ -143,7 +141,6 @@ class CacheManager:
         if self.states is not None:
             self.states.conv[:, cache.slot] = snap.conv.to(self.states.conv.device)
             self.states.recurrent[:, cache.slot] = snap.recurrent.to(self.states.recurrent.device)
-        cache.num_tokens = snap.num_tokens
         self.discard(snap)
         return cache
 

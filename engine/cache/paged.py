@@ -14,8 +14,7 @@ class PagedSequenceCache:
         self.kv = kv
         self.states = states
         self.pages: list[int] = []  # block table
-        self.slot: int | None = None
-        self.num_tokens = 0  # tokens whose effect is in the cache; the model's forward advances it
+        self.slot: int | None = None  # how far it is filled is the request's one cursor, ``num_computed``
 
     @property
     def capacity(self) -> int:

@@ -9,10 +9,11 @@ take one of two paths, chosen by the batch, never by its tensors:
 - otherwise, the reference path over per-sequence caches (``SequenceCache``; the tests'
   numerical reference): each sequence on ``batch.slices`` with its own cache.
 
-Either way a model's ``forward`` leaves what each layer needs in the caches or pools and, once all
-layers have run, advances each ``cache.num_tokens`` in ``batch.caches`` by that sequence's
-new-token count (``ForwardBatch.advance_caches``); a replayed CUDA graph, whose batch has no
-caches, leaves that to the runner.
+Either way a model's ``forward`` leaves what each layer needs in the caches or pools. On the
+reference path it then advances each ``cache.num_tokens`` in ``batch.caches`` by that sequence's
+new-token count (``ForwardBatch.advance_caches``); a step over the pools counts nothing in its
+caches: how far a request has come is its one cursor, ``Request.num_computed``, which the runner
+advances.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute position of every token
     seq_lens: list[int]  # new tokens per sequence, sum == N
     caches: list[Any]  # one per sequence, in the same order: SequenceCache (reference path) or the rows'
-    # PagedSequenceCache (``step``: layers read the pools, the caches only count the tokens in)
+    # PagedSequenceCache (``step``: the layers read the pools)
     step: StepMeta | None = None  # set for steps over the shared pools (the engine's every step)
 
     @property
@@ -82,7 +83,10 @@ class ForwardBatch:
         return out
 
     def advance_caches(self) -> None:
-        """Count the new tokens into each cache; a model calls this once, at the end of ``forward``."""
+        """Count the new tokens into each reference cache; a model calls this once, at the end of
+        ``forward`` (a step over the pools has its cursors on the requests)."""
+        if self.step is not None:
+            return
         for cache, n in zip(self.caches, self.seq_lens):
             cache.num_tokens += n
 
@@ -143,7 +147,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` after the final norm for the flat token run.
 
-        Appends to every cache in ``batch.caches`` and advances their ``num_tokens`` (see above).
+        Appends to every cache in ``batch.caches`` and advances their ``num_tokens`` (see above), or
+        writes the step's tokens into the pools (``batch.step``).
         Subclasses hold the decoder stack as ``self.model`` and the output head as ``self.lm_head``."""
         if input_ids.shape[0] != sum(batch.seq_lens):
             raise ValueError(f"{input_ids.shape[0]} input ids for seq_lens {batch.seq_lens}")

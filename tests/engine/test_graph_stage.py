@@ -14,7 +14,7 @@ PAD = (9, 9 * PAGE, 7)  # padding page, its first row, padding slot
 
 def request(prompt: int, pages: list[int], slot: int, computed: int | None = None):
     """A decoding request whose cache holds ``prompt`` tokens; its next token is ``100 + prompt``."""
-    req = SimpleNamespace(cache=SimpleNamespace(num_tokens=prompt, pages=pages, slot=slot),
+    req = SimpleNamespace(cache=SimpleNamespace(pages=pages, slot=slot),
                           num_computed=prompt if computed is None else computed, num_tokens=prompt + 1)
     req.token_at = lambda i: 100 + i
     return req
@@ -35,7 +35,7 @@ def test_stage_rows_follow_the_batch():
         ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9]),  # padding row
     ]
     # a grows into a new page; b leaves, so its row becomes padding again
-    a.cache.num_tokens, a.num_computed, a.num_tokens = 8, 8, 9
+    a.num_computed, a.num_tokens = 8, 9
     a.cache.pages = [2, 3, 6]
     stage.fill([a], PAGE)
     assert rows(stage, 2) == [([108, 8, 6 * PAGE, 0], 9, [2, 3, 6, 9]), ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9])]
@@ -54,7 +54,7 @@ def test_table_rows_are_rewritten_only_when_pages_change(monkeypatch):
         return real(data, *args, **kw)
 
     monkeypatch.setattr(torch, "tensor", counting)
-    a.cache.num_tokens, a.num_computed, a.num_tokens = 6, 6, 7  # same pages
+    a.num_computed, a.num_tokens = 6, 7  # same pages
     stage.fill([a], PAGE)
     assert writes == []
     b = request(1, [5], 1)  # a different sequence in row 0, same number of pages as nothing
@@ -67,7 +67,6 @@ def test_a_token_not_yet_read_is_left_for_the_device():
     stage = _Stage(1, 2, PAD)
     ahead = request(5, [2, 3], 0, computed=6)
     ahead.num_tokens = 6  # the token at position 6 has not been read back
-    ahead.cache.num_tokens = 6
     stage.fill([ahead], PAGE)
     assert rows(stage, 1)[0][0] == [0, 6, 3 * PAGE + 2, 0]
 
@@ -89,7 +88,6 @@ def test_picture_spares_the_copy_only_while_the_device_holds_the_inputs():
     picture.replayed(1)  # position 5 -> 6, still in page 3
 
     def step(req):
-        req.cache.num_tokens += 1
         req.num_computed += 1
         req.num_tokens += 1
         stage.fill([req], PAGE)
