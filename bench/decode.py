@@ -2,7 +2,7 @@
 
     python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
                            [--prefill 512,16384] [--steps 32] [--beside 8] [--no-hf] [--json FILE]
-                           [--set engine.layers.paged_attention_triton.MAX_SPLITS=32 ...]
+                           [--set attention_max_splits=32 ...]
 
 Random bf16 weights at the real shape are made directly on the GPU (no checkpoint). The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
@@ -11,17 +11,15 @@ the bytes one decode step must stream (weights + GDN state + KV) and the percent
 bandwidth floor reached; with ``--beside N``, each prompt again while N requests decode beside it
 (its prefill tok/s, and the decoders' gap between tokens with and without it); then the same work
 through HF transformers (+ fla-core). It prints a
-table and writes JSON. ``--set`` replaces a module-level setting of the package, or one entry of a
-dict setting (``MODULE.NAME[KEY]=VALUE``), with a Python literal of the same type before anything
-is built, so one GPU call can time a step with and without a launch choice; the settings are
-printed and kept in the JSON.
+table and writes JSON. ``--set`` changes a kernel launch setting (``engine/launch.py``), or one
+entry of a table setting (``NAME[KEY]=VALUE``), to a Python literal of the same type before
+anything is built, so one GPU call can time a step with and without a launch choice; the changes
+are printed and kept in the JSON.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
-import importlib
 import json
 import platform
 import time
@@ -29,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from ninfer.engine.layers import pdl
+from ninfer.engine import launch
 from ninfer.engine.request import Status
 
 from .gpu_env import back_to_back_ms, measure_ceilings
@@ -135,7 +133,7 @@ def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str, li
 
 def _graph_ms(engine, reqs) -> float | None:
     """GPU time of one captured decode step alone (no scheduling, sampling or host work; the
-    greedy argmax is in it where the graph takes it, ``cuda_graphs.GREEDY_IN_GRAPH``)."""
+    greedy argmax is in it where the graph takes it, the launch setting ``greedy_in_graph``)."""
     graphs = engine.runner.graphs
     if graphs is None or not graphs.fits(reqs):
         return None
@@ -341,7 +339,7 @@ def _empty_cache() -> None:
 def table(results: dict, ceilings: dict) -> str:
     bw = ceilings["copy_gb_s"] * 1e9
     rows = [f"GPU: {ceilings['gpu']}; copy {ceilings['copy_gb_s']:.0f} GB/s; bf16 matmul {ceilings['matmul_tflops']:.0f} "
-            f"TFLOP/s; programmatic dependent launch {['off', 'on', 'on, late release'][pdl.MODE]} (NINFER_PDL)",
+            f"TFLOP/s; programmatic dependent launch {launch.current().pdl} (launch setting pdl)",
             "| shape | work | ninfer | HF transformers (forward loop; generate) | ninfer / HF (loop; generate) "
             "| bytes/step | floor ms | % of floor |",
             "|---|---|---|---|---|---|---|---|"]
@@ -368,64 +366,18 @@ def table(results: dict, ceilings: dict) -> str:
     return "\n".join(rows)
 
 
-def _literal(spec: str, text: str):
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        raise ValueError(f"--set {spec!r}: {text.strip()!r} is not a Python literal") from None
-
-
-def apply_settings(specs: list[str]) -> list[str]:
-    """``MODULE.NAME=VALUE`` or ``MODULE.NAME[KEY]=VALUE`` (``MODULE`` under the ``ninfer``
-    package; ``KEY`` and ``VALUE`` Python literals, the value of the current value's type, a key
-    of a dict setting) -> the settings made, as lines; anything else raises ValueError naming the
-    spec, before anything is set."""
-    staged, lines = {}, []  # (module, name) -> the new value; set only once every spec is checked
-    for spec in specs:
-        target, sep, text = spec.partition("=")
-        target, key_text = target.strip(), None
-        if target.endswith("]") and "[" in target:
-            target, _, key_text = target[:-1].partition("[")
-        module_name, _, name = target.rpartition(".")
-        if not sep or not module_name or not name:
-            raise ValueError(f"--set {spec!r}: expected MODULE.NAME=VALUE or MODULE.NAME[KEY]=VALUE")
-        try:
-            module = importlib.import_module(f"ninfer.{module_name}")
-        except ImportError as e:
-            raise ValueError(f"--set {spec!r}: no module ninfer.{module_name} ({e})") from None
-        if not hasattr(module, name):
-            raise ValueError(f"--set {spec!r}: ninfer.{module_name} has no setting {name}")
-        current, value = staged.get((module, name), getattr(module, name)), _literal(spec, text)
-        if key_text is None:
-            if type(value) is not type(current):
-                raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not {type(value).__name__}")
-            staged[module, name] = value
-            lines.append(f"{module_name}.{name}={value!r}")
-            continue
-        if not isinstance(current, dict):
-            raise ValueError(f"--set {spec!r}: {name} holds {type(current).__name__}, not a dict")
-        key = _literal(spec, key_text)
-        like = current.get(key, next(iter(current.values()), value))
-        if type(value) is not type(like):
-            raise ValueError(f"--set {spec!r}: {name} holds {type(like).__name__} values, not {type(value).__name__}")
-        staged[module, name] = {**current, key: value}
-        lines.append(f"{module_name}.{name}[{key!r}]={value!r}")
-    for (module, name), value in staged.items():
-        setattr(module, name, value)
-    return lines
-
-
 def start_on_gpu(parser: argparse.ArgumentParser, specs: list[str]) -> None:
-    """Apply ``--set`` specs and print them, or stop with the parser's error (a bad spec, no
-    CUDA GPU) before anything is built."""
+    """Put the GPU's launch settings with the ``--set`` changes in force and print the changes,
+    or stop with the parser's error (a bad spec, no CUDA GPU) before anything is built."""
     try:
-        settings = apply_settings(specs)
+        changes, lines = launch.changes_from_specs(specs)
     except ValueError as e:
         parser.error(str(e))
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    if settings:
-        print("settings: " + ", ".join(settings), flush=True)
+    launch.use(launch.current().changed(**changes))
+    if lines:
+        print("settings: " + ", ".join(lines), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,15 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
     p.add_argument("--json", default=None)
     p.add_argument("--gemv", choices=["auto", "off"], default="auto",
-                   help="off: every decode projection through cuBLAS (fused_linear.GEMV_MAX_ROWS = 0)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="replace a module-level setting first, e.g. engine.layers.paged_attention_triton.MAX_SPLITS=32")
+                   help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change a kernel launch setting first, e.g. attention_max_splits=32")
     args = p.parse_args(argv)
     start_on_gpu(p, args.set)
     if args.gemv == "off":
-        from ninfer.engine.layers import fused_linear
-
-        fused_linear.GEMV_MAX_ROWS = 0
+        launch.use(launch.current().changed(gemv_max_rows=0))
     batches = [int(x) for x in args.batches.split(",")]
     prefills = [int(x) for x in args.prefill.split(",") if x]
     ceilings = measure_ceilings()
@@ -467,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["hf"] = bench_hf(name, hf_batches, args.context, hf_prefills, min(args.steps, 8))
         print(table({name: results[name]}, ceilings), flush=True)
     report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "torch": torch.__version__,
-              "pdl": pdl.MODE, "ceilings": ceilings, "args": vars(args), "results": results}
+              "pdl": launch.current().pdl, "ceilings": ceilings, "args": vars(args), "results": results}
     print("\n" + table(results, ceilings))
     if args.json:
         with open(args.json, "w") as f:

@@ -7,19 +7,20 @@ and out_proj, attention fused qkv and o_proj, the dense MLP's fused gate/up and 
 random bf16 weights in enough copies that one timed CUDA graph streams >= ``--graph-mb`` MB (so
 reads come from HBM, not the 50 MB L2); cuBLAS and each tile choice of the GEMV are timed inside
 the graph (GPU time, no Python launch cost) and checked against cuBLAS's output. Prints one table
-per shape, then ``fused_linear.GEMV_SHAPE_TILES`` entries for the measured shapes (tiles where the
-GEMV won, None where cuBLAS did).
+per shape, then ``gemv_shape_tiles`` entries for the measured shapes in the form of the tuned
+config files (``engine/tuned/*.json``, ``--tuned-config``): tiles where the GEMV won, null where
+cuBLAS did.
 
 ``--norm``: the projections that follow a pre-norm (GDN input projection, attention qkv, dense
 MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in front
 (``norm_gemv_triton``) per tile choice, against the add + norm launch followed by the projection as
-``decode_linear`` runs it now; prints ``fused_linear.NORM_GEMV_SHAPE_TILES`` entries where the one
-launch won.
+``decode_linear`` runs it now; prints ``norm_gemv_shape_tiles`` entries where the one launch won.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 
 import torch
@@ -178,11 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             table[(r["m"], n, k)] = tiles if us < cu else None
             print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
-    print(f"\n# fused_linear.{'NORM_' if args.norm else ''}GEMV_SHAPE_TILES entries (tiles BLOCK_N x BLOCK_K / "
-          "warps above):")
-    for key, tiles in table.items():
-        if tiles is not None or not args.norm:
-            print(f"    {key}: {tiles},")
+    name = "norm_gemv_shape_tiles" if args.norm else "gemv_shape_tiles"
+    entries = {",".join(map(str, key)): tiles for key, tiles in table.items() if tiles is not None or not args.norm}
+    print(f"\n# {name} entries for a tuned config file (engine/tuned/*.json, --tuned-config):")
+    print(json.dumps({name: entries}, indent=2))
     return 0
 
 

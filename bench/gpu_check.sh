@@ -57,26 +57,24 @@ if [ "$parts" = gemv ]; then
     run gemv-norm-35b "$py" -m bench.gemv_tune --shape qwen3.5-35b-a3b --rows 1 --norm
 fi
 if [ "$parts" = pdl ]; then
-    for mode in 0 1 late; do
-        export NINFER_PDL=$mode
+    for mode in off first late; do
         run "pdl-$mode" "$py" -m bench.decode --shape qwen3.5-35b-a3b --batches 1 --prefill 512 --steps 16 --no-hf \
-            --json "$out/qwen3.5-35b-a3b-pdl-$mode.json"
+            --json "$out/qwen3.5-35b-a3b-pdl-$mode.json" --set "pdl='$mode'"
     done
-    unset NINFER_PDL
 fi
 if [ "$parts" = ab ]; then
     moe="--shape qwen3.5-35b-a3b --batches 1 --prefill 512 --steps 16 --no-hf"
     run ab-35b "$py" -m bench.decode $moe --json "$out/ab-35b.json"
     run ab-35b-router-after-wait "$py" -m bench.decode $moe --json "$out/ab-35b-router-after-wait.json" \
-        --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False
+        --set moe_router_before_wait=False
     run ab-35b-inputs-from-host "$py" -m bench.decode $moe --json "$out/ab-35b-inputs-from-host.json" \
-        --set engine.cuda_graphs.ADVANCE_IN_GRAPH=False
+        --set advance_in_graph=False
     run ab-35b-argmax-after-graph "$py" -m bench.decode $moe --json "$out/ab-35b-argmax-after-graph.json" \
-        --set engine.cuda_graphs.GREEDY_IN_GRAPH=False
+        --set greedy_in_graph=False
     dense="--shape qwen3.5-27b --batches 1,8 --prefill 512 --steps 16 --no-hf"
     run ab-27b "$py" -m bench.decode $dense --json "$out/ab-27b.json"
     run ab-27b-attention-defaults "$py" -m bench.decode $dense --json "$out/ab-27b-attention-defaults.json" \
-        --set "engine.layers.paged_attention_triton.SHAPE_TILES={}"
+        --set "attention_shape_tiles={}"
 fi
 if [ "$parts" = serve ]; then
     load="--prompt-tokens 200 --output-tokens 256"

@@ -16,6 +16,7 @@ import itertools
 
 import torch
 
+from ninfer.engine import launch
 from ninfer.engine.layers import moe_triton as mt
 
 from .gpu_env import sweep_tiles
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if "gate_up" in kernels:
             for line in sweep_tiles(f"gate_up, {n} token(s), {distinct:.1f} distinct experts",
                               lambda t, r: mt.moe_gate_up_triton(x, gate_up, shared_gu, routed[r][0], t),
-                              mt.GATE_UP_TILES, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
+                              launch.current().moe_gate_up_tiles, candidates([1, 2, 4, 8, 16], [512, 1024, 2048], [2, 4, 8]),
                               distinct * 2 * inter * hid * 2, routes):
                 print(line, flush=True)
         if "down" in kernels:

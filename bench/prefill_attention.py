@@ -19,7 +19,8 @@ import json
 import torch
 
 from ninfer.engine.layers.attention import attend
-from ninfer.engine.layers.prefill_attention_triton import TILES, prefill_attention_triton
+from ninfer.engine import launch
+from ninfer.engine.layers.prefill_attention_triton import prefill_attention_triton
 
 from .gpu_env import _time_ms, measure_ceilings
 from .shapes import shape_config
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = d**-0.5
     ceil = measure_ceilings()
     print(f"{args.shape} on {ceil['gpu']}: {h} query / {hkv} KV heads of {d}, gated {gated}, {args.rows} row(s) "
-          f"of a {args.chunk}-token chunk, pages of {args.page}, tiles {TILES.get(d)}; bf16 matmul "
+          f"of a {args.chunk}-token chunk, pages of {args.page}, tiles {launch.current().prefill_attention_tiles.get(d)}; bf16 matmul "
           f"{ceil['matmul_tflops']:.0f} TFLOP/s")
     print("\n| prefix | kernel ms | TFLOP/s | % of matmul | gather + SDPA ms | TFLOP/s | speedup | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")

@@ -98,21 +98,12 @@ def serve_argv(model: str | None, extra: list[str], streams: list[int]) -> list[
 
 
 def direct_engine(argv: list[str]):
-    """The engine ``ninfer-serve argv`` builds (same checkpoint, tokenizer, device, dtype and
-    engine settings), for this thread to step."""
-    from ninfer.engine.engine import LLMEngine
-    from ninfer.engine.loader import load_checkpoint, load_model
+    """The engine ``ninfer-serve argv`` builds (same checkpoint, tokenizer, device, dtype, engine
+    and launch settings), for this thread to step."""
     from ninfer.server import bootstrap
     from ninfer.server.cli import build_parser
 
-    args = build_parser().parse_args(argv)
-    device = bootstrap.resolve_device(args.device)
-    dtype = bootstrap.resolve_dtype(args.dtype, device)
-    ckpt = load_checkpoint(args.model)
-    tokenizer = bootstrap.resolve_tokenizer(ckpt, args.tokenizer)
-    max_context = args.max_context or min(ckpt.config.max_position_embeddings, bootstrap.MAX_DEFAULT_CONTEXT)
-    config = bootstrap.engine_config(args, max_context, device, dtype)
-    return LLMEngine(load_model(ckpt, device, dtype), tokenizer, config)
+    return bootstrap.build_engine(build_parser().parse_args(argv))
 
 
 def engine_direct(argv: list[str], prompts: dict[int, list[list[int]]], steps: int, temperature: float) -> dict:

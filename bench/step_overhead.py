@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a kernel launch setting")
     args = p.parse_args(argv)
     start_on_gpu(p, args.set)
     cfg = shape_config(args.shape)

@@ -5,9 +5,9 @@ rows, state slots, context lengths, block tables); a step copies the real rows i
 pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
 the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
 ids, so a greedy decode step that follows with the same rows needs no token copy at all
-(``run(..., follow=True)``). With ``ADVANCE_IN_GRAPH`` (the default) the graph also leaves the
-next positions, context lengths and KV write rows in place (``decode_advance``), and such a step
-sends nothing when its staged inputs equal the host's picture of the device buffer
+(``run(..., follow=True)``). With the launch setting ``advance_in_graph`` (the default) the
+graph also leaves the next positions, context lengths and KV write rows in place
+(``decode_advance``), and such a step sends nothing when its staged inputs equal the host's picture of the device buffer
 (``_Picture``): every step but those where a sequence takes a new page. Nothing in a replay
 syncs with the host; the caller reads the sampled tokens once.
 """
@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from . import launch
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
 from .decode_advance import advance_reference, advance_triton
@@ -27,12 +28,6 @@ from .runner import sampled_logits
 log = logging.getLogger("ninfer.engine")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
-# the argmax inside the captured step, over its input ids (False: the sampler takes it after)
-GREEDY_IN_GRAPH = True
-# the step's positions, lengths and KV write rows advanced inside the captured step, so a greedy
-# step that follows may need no input copy (H200, 35B-A3B batch 1: 2.41 ms per step against 2.43
-# without, bench/RESULTS.md; ``bench.decode --set engine.cuda_graphs.ADVANCE_IN_GRAPH=False``)
-ADVANCE_IN_GRAPH = True
 
 
 def _layout(n: int, max_pages: int) -> tuple[int, int]:
@@ -142,8 +137,12 @@ class CudaGraphDecoder:
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.greedy_in_graph = GREEDY_IN_GRAPH  # both fixed at capture
-        self.advance = ADVANCE_IN_GRAPH and self.greedy_in_graph
+        # the argmax inside the captured step (else the sampler takes it after), and the step's
+        # positions, lengths and KV write rows advanced inside it, so a greedy step that follows
+        # may need no input copy: launch settings, both fixed at capture
+        settings = launch.current()
+        self.greedy_in_graph = settings.greedy_in_graph
+        self.advance = settings.advance_in_graph and self.greedy_in_graph
         self._picture = _Picture(n, self.max_pages, caches.page_size) if self.advance else None
         self._send(self._stages[0], n)
 

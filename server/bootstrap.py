@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine import launch
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
 from ..engine.engine_config import EngineConfig
@@ -160,16 +161,19 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
     max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     config = engine_config(args, max_context, device, dtype)
     config.check_for_model(ckpt.config)  # before the weights are read
+    launch.load(None, args.tuned_config)  # a bad --tuned-config file stops the start here
     return ckpt, tokenizer, config
 
 
-def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig) -> LLMEngine:
+def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
+    """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
+    launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
     return LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine ``args`` name, weights loaded: what the engine process runs."""
-    return _engine(*_resolve(args))
+    return _engine(*_resolve(args), args.tuned_config)
 
 
 def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | EngineProcess]:
@@ -179,7 +183,7 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | Eng
     ckpt, tokenizer, config = _resolve(args)
     template = resolve_template(ckpt, tokenizer, args.chat_template)
     if args.engine_thread:
-        loop = EngineLoop(_engine(ckpt, tokenizer, config))
+        loop = EngineLoop(_engine(ckpt, tokenizer, config, args.tuned_config))
     else:
         loop = EngineProcess(build_engine, (args,), logging.getLogger().getEffectiveLevel())
         loop.launch()

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")
+    p.add_argument("--tuned-config", default=None, metavar="FILE",
+                   help="kernel launch choices (JSON, the form of engine/tuned/*.json) over those measured for "
+                        "this GPU; python -m bench.gemv_tune and the other tuning tools print entries")
     p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                    help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
     p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")

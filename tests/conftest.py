@@ -41,3 +41,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _few_threads():
     """Tiny tensors gain nothing from intra-op threads; on a busy 2-core machine they spin-wait."""
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def set_launch():
+    """``set_launch(base=None, **changes)``: kernel launch settings in force for this test
+    (``base``, default those in force, with ``changes``); the ones before are put back after."""
+    from ninfer.engine import launch
+
+    before = launch.current()
+
+    def apply(base=None, **changes):
+        launch.use((base or launch.current()).changed(**changes))
+        return launch.current()
+
+    yield apply
+    launch.use(before)

@@ -14,63 +14,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import launch
 from .triton_switch import on_triton
 
-# Input rows up to which ``decode_linear`` may take the Triton GEMV; more rows always use cuBLAS.
-GEMV_MAX_ROWS = 8
-# Tiles by input rows M: the first entry whose bound is >= M wins; M past every bound uses cuBLAS.
-# Edit after timing with ``python -m bench.gemv_tune`` on the target GPU.
-GEMV_ROW_TILES: tuple[tuple[int, dict], ...] = (
-    (4, {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2}),
-)
-# Only weights with K >= GEMV_MIN_K_PER_N * N take it by default: with few output rows cuBLAS
-# splits K and adds a reduce kernel (x [1, 4096] @ [2048, 4096]^T ran at 1.9 TB/s on an H200,
-# split-K plus reduce), while for wide weights its GEMV streams at about 4 TB/s.
-GEMV_MIN_K_PER_N = 2
-# Measured exceptions by (M, N, K): the tiles to use there, or None where cuBLAS wins. H200, bf16,
-# ``python -m bench.gemv_tune`` (bench/RESULTS.md, 2026-12-01), us per call in a CUDA graph:
-GEMV_SHAPE_TILES: dict[tuple[int, int, int], dict | None] = {
-    # qwen3.5-35b-a3b: GDN input projection 14.3 (cuBLAS 16.7), GDN out_proj = attention o_proj
-    # 6.3 (cuBLAS 8.9, the K >= 2N default tiles 7.7), attention qkv 11.4 (12.6), LM head 227 (256)
-    (1, 12352, 2048): {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1},
-    (1, 2048, 4096): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8},
-    (1, 9216, 2048): {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 2},
-    (1, 248320, 2048): {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8},
-    # qwen3.5-27b: GDN input projection 40.7 (cuBLAS 44.2), out_proj = o_proj 17.3 (18.6),
-    # attention qkv 37.3 (39.5), MLP gate/up 84.1 (90.1), MLP down 44.4 (49.8), LM head 553 (652)
-    (1, 16480, 5120): {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1},
-    (1, 5120, 6144): {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4},
-    (1, 14336, 5120): {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1},
-    (1, 34816, 5120): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4},
-    (1, 5120, 17408): {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
-    (1, 248320, 5120): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8},
-}
-# The GEMV with the pre-norm add + RMSNorm in front (``norm_linear``), by (M, N, K): taken only
-# where measured faster than the add + norm launch followed by the plain projection
-# (``python -m bench.gemv_tune --norm``, H200, us per call in a CUDA graph); every program re-reads
-# the input and residual rows, so its best tiles are taller than the plain GEMV's. The 35B-A3B GDN
-# input projection tied alone (15.9 either way) but its whole decode step was 2.43 ms against
-# 2.51 with it (graph 2.39 vs 2.45, bench.decode on one H200 machine, one launch less per GDN
-# layer); not taken at the 27B MLP gate/up (86.0 vs 86.5).
-NORM_GEMV_SHAPE_TILES: dict[tuple[int, int, int], dict] = {
-    (1, 9216, 2048): {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1},  # 35B-A3B attention qkv: 12.1 (13.5)
-    (1, 12352, 2048): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1},  # 35B-A3B GDN input: 15.9 (15.9)
-    (1, 16480, 5120): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2},  # 27B GDN input: 43.9 (45.4)
-    (1, 14336, 5120): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4},  # 27B attention qkv: 39.6 (40.6)
-}
+# Which products take the GEMV and with which tiles: ``launch.LaunchSettings``' gemv_* fields
+# (tuned per GPU in ``engine/tuned``; ``python -m bench.gemv_tune`` times them). Only weights with
+# K >= min_k_per_n * N take it by default: with few output rows cuBLAS splits K and adds a reduce
+# kernel (x [1, 4096] @ [2048, 4096]^T ran at 1.9 TB/s on an H200, split-K plus reduce), while for
+# wide weights its GEMV streams at about 4 TB/s.
+
 # BLOCK_N under Triton's interpreter (CPU tensors), where each program runs in Python
 _INTERPRET_BLOCK_N = 64
 
 
 def gemv_tiles(m: int, n: int, k: int) -> dict | None:
     """Tiles for the Triton GEMV of ``[m, k] @ [n, k]^T``, or None where ``F.linear`` is used."""
-    if m < 1 or m > GEMV_MAX_ROWS:
+    s = launch.current()
+    if m < 1 or m > s.gemv_max_rows:
         return None
-    if (m, n, k) in GEMV_SHAPE_TILES:
-        return GEMV_SHAPE_TILES[(m, n, k)]
-    if k < GEMV_MIN_K_PER_N * n:
+    if (m, n, k) in s.gemv_shape_tiles:
+        return s.gemv_shape_tiles[(m, n, k)]
+    if k < s.gemv_min_k_per_n * n:
         return None
-    return next((tiles for rows, tiles in GEMV_ROW_TILES if m <= rows), None)
+    return next((tiles for rows, tiles in s.gemv_row_tiles if m <= rows), None)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,13 +69,13 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(norm(residual + x), weight), residual + x)`` for the pre-norm block's
-    ``norm`` (an ``RMSNorm``) and a bias-free projection. At the shapes of
-    ``NORM_GEMV_SHAPE_TILES`` the add + norm ride in the Triton GEMV, one launch
+    ``norm`` (an ``RMSNorm``) and a bias-free projection. At the shapes of the launch
+    settings' ``norm_gemv_shape_tiles`` the add + norm ride in the Triton GEMV, one launch
     (``gemv_triton.norm_gemv_triton``); elsewhere ``norm(x, residual)`` then ``decode_linear``.
     Shapes and dtypes decide, never values, so a captured graph keeps the choice."""
     if (on_triton(x) and x.dim() == 2 and x.dtype == weight.dtype == residual.dtype
             and weight.dim() == 2 and weight.is_contiguous()):
-        tiles = NORM_GEMV_SHAPE_TILES.get((x.shape[0], weight.shape[0], weight.shape[1]))
+        tiles = launch.current().norm_gemv_shape_tiles.get((x.shape[0], weight.shape[0], weight.shape[1]))
         if tiles is not None:
             from .gemv_triton import norm_gemv_triton
 

@@ -36,7 +36,7 @@ DECODE_MAX_ASSIGNMENTS = 512  # up to this many (token, expert) pairs use the gr
 # GEMM's 6,400-6,800, while at 512 tokens the grouped GEMM is 10x faster (bench/RESULTS.md).
 LOOP_MIN_TOKENS = 4096
 # Arrival counters a block keeps for the fused norm + router + routing launch: one per token group
-# (``moe_triton.NORM_ROUTE_TILES``), so it covers up to this many groups; more tokens go unfused.
+# (the launch settings' ``moe_norm_route_tiles``), so it covers up to this many groups; more tokens go unfused.
 ROUTE_COUNTERS = 64
 
 

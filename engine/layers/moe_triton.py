@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch
 from .norm_triton import inv_rms, norm_weight
 from .pdl import pdl_options, pdl_wait
 
@@ -99,7 +100,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, r_ptr, normed_ptr, res_out_ptr, l
     logits for router rows ``[i * ROWS, (i + 1) * ROWS)``; the group's program that arrives last
     (its counter ``count[g]``) routes the group's tokens and puts the counter back to zero.
     ``WEIGHTS_FIRST``: the router rows and norm weight are read before the wait for the kernel
-    before (``ROUTER_BEFORE_WAIT``)."""
+    before (the launch setting ``moe_router_before_wait``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     group = tl.program_id(1)
@@ -247,31 +248,21 @@ def route_triton(logits: torch.Tensor, top_k: int, num_experts: int, norm_topk_p
     return ids, wts
 
 
-# With programmatic dependent launch (``pdl.py``), the fused launch reads its router rows and norm
-# weight before waiting for the kernel before. Loads ahead of the wait made other kernels slower on
+# Launch choices: ``launch.LaunchSettings``' moe_* fields. With programmatic dependent launch
+# (``pdl.py``) the fused launch reads its router rows and norm weight before waiting for the
+# kernel before (``moe_router_before_wait``); loads ahead of the wait made other kernels slower on
 # an H200 (the GEMV's first weight chunk, 2.71 against 2.58 ms per 35B-A3B step; the MoE down
-# GEMV's expert rows, 2.79 against 2.69, in two calls on two machines; bench/RESULTS.md,
-# 2026-12-01); this one was never timed the other way round, which
-# ``python -m bench.decode ... --set engine.layers.moe_triton.ROUTER_BEFORE_WAIT=False`` does.
-ROUTER_BEFORE_WAIT = True
-
-# Programs of the fused norm + router + routing launch, by token count N: the first entry whose
-# bound is >= N wins; past the last bound the unfused launches are faster. A program takes
-# ``ROWS`` router rows (power of 2) of one group of ``TOKENS`` tokens (power of 2); each group is
-# routed by its last program, so groups route in parallel. Timed on an H200 at the 35B-A3B shape
-# (router [257, 2048] bf16, top-8 + shared; 96 routers in a CUDA graph), against add + norm,
-# cuBLAS GEMV and the routing kernel: N=1 5.9 us (unfused 7.6), N=4 6.4 (13.9), N=8 7.2 (13.8),
-# N=16 8.3 (13.9), N=32 11.7 (14.6), N=56 16.1 (15.0); TOKENS > 1 was never faster.
-NORM_ROUTE_TILES: tuple[tuple[int, dict], ...] = (
-    (1, {"ROWS": 1, "TOKENS": 1, "num_warps": 1}),
-    (4, {"ROWS": 2, "TOKENS": 1, "num_warps": 1}),
-    (48, {"ROWS": 8, "TOKENS": 1, "num_warps": 4}),
-)
+# GEMV's expert rows, 2.79 against 2.69; bench/RESULTS.md, 2026-12-01); this one was never timed
+# the other way round, which ``python -m bench.decode ... --set moe_router_before_wait=False``
+# does. The fused norm + router + routing launch's programs go by token count N
+# (``moe_norm_route_tiles``: the first bound >= N wins; past the last the unfused launches are
+# faster): a program takes ``ROWS`` router rows (power of 2) of one group of ``TOKENS`` tokens
+# (power of 2); each group is routed by its last program, so groups route in parallel.
 
 
 def norm_route_tiles(n: int) -> dict | None:
     """Tiles of the fused launch for ``n`` tokens, or None where the unfused launches win."""
-    return next((tiles for bound, tiles in NORM_ROUTE_TILES if n <= bound), None)
+    return next((tiles for bound, tiles in launch.current().moe_norm_route_tiles if n <= bound), None)
 
 
 def norm_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -287,7 +278,7 @@ def norm_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
     rows = num_experts + int(shared)
     x2, r2 = x.reshape(-1, hid).contiguous(), residual.reshape(-1, hid).contiguous()
     n, slots = x2.shape[0], top_k + int(shared)
-    t = dict(norm_route_tiles(n) or NORM_ROUTE_TILES[-1][1], **(tiles or {}))
+    t = dict(norm_route_tiles(n) or launch.current().moe_norm_route_tiles[-1][1], **(tiles or {}))
     groups = triton.cdiv(n, t["TOKENS"])
     if residual.shape != x.shape or norm_weight.shape != (hid,) or router.shape != (rows, hid) \
             or router.stride(1) != 1 or count.dtype != torch.int32 or count.numel() < groups:
@@ -304,7 +295,7 @@ def norm_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
             router.stride(0), eps, ZERO_CENTERED=zero_centered, BLOCK_H=triton.next_power_of_2(hid),
             ROWS=t["ROWS"], TOKENS=t["TOKENS"], TOP_K=top_k, SLOTS=slots, K_PAD=triton.next_power_of_2(slots),
             E_PAD=triton.next_power_of_2(num_experts), NORM_TOPK=norm_topk_prob, SHARED=shared,
-            WEIGHTS_FIRST=ROUTER_BEFORE_WAIT, num_warps=t["num_warps"], **pdl_options(x))
+            WEIGHTS_FIRST=launch.current().moe_router_before_wait, num_warps=t["num_warps"], **pdl_options(x))
     return normed.view(x.shape), res_out.view(residual.shape), ids, wts
 
 
@@ -316,19 +307,10 @@ def shared_or(w: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tenso
     return shared, shared.stride(0)
 
 
-# Tile sizes of the two grouped GEMVs, the fastest of ``python -m bench.moe_tune`` on an H200 at
-# the 35B-A3B shape (in CUDA graphs; bench/RESULTS.md has the tables): gate_up 10.9 us per layer
-# at one token (was 15.3 with 8 rows x 4 warps); the down GEMV at one token with every slot's rows
-# in one tile (``ALL_SLOTS``) 8.2 us against 10.5 slot after slot, which stays the form for more
-# tokens (timed at 8: 44.1 us).
-GATE_UP_TILES = {"BLOCK_N": 1, "BLOCK_K": 512, "num_warps": 2}
-DOWN_TILES_ONE_TOKEN = {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 2, "ALL_SLOTS": True}
-DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, "ALL_SLOTS": False}
-
-
 def down_tiles(n: int) -> dict:
-    """The down GEMV's default tiles for ``n`` tokens."""
-    return DOWN_TILES_ONE_TOKEN if n == 1 else DOWN_TILES
+    """The down GEMV's default tiles for ``n`` tokens (every slot's rows in one tile at one token)."""
+    s = launch.current()
+    return s.moe_down_tiles_one_token if n == 1 else s.moe_down_tiles
 
 
 def _tiles(default: dict, tiles: dict | None, k: int) -> dict:
@@ -348,7 +330,7 @@ def moe_gate_up_triton(x: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | 
     inter, slots = two_i // 2, ids.shape[1]
     shared_w, stride_s = shared_or(w, shared)
     out = torch.empty((n * slots, inter), dtype=x.dtype, device=x.device)
-    t = _tiles(GATE_UP_TILES, tiles, hid)
+    t = _tiles(launch.current().moe_gate_up_tiles, tiles, hid)
     if n:
         _gate_up_kernel[(n * slots, triton.cdiv(inter, t["BLOCK_N"]))](
             x.contiguous(), w, shared_w, ids, out, inter, hid, e, w.stride(0), w.stride(1), stride_s,

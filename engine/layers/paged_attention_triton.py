@@ -15,23 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch
 from .pdl import pdl_options, pdl_wait
 
-PROGRAMS_PER_SM = 2  # phase-1 programs wanted per SM when choosing the number of splits
-MAX_SPLITS = 64
-# Head-dim columns per merge program: a lone sequence has only ``H`` heads to merge, each over up
-# to 64 splits, so whole heads left most SMs idle (8 us per layer for 16 heads of 256 on an H200).
-REDUCE_BLOCK_D = 64
-# Launch choices by (query heads, KV heads, head_dim) that differ from the defaults above, each
-# the one a model shape's decode step was measured with on an H200 (bench/RESULTS.md, 2026-12-01
-# later): the 27B and 0.8B shapes ran with at most 32 splits, 3 stages and merge slices of 32
-# columns (the fastest alone in ``bench.attention_tune`` at the 35B-A3B shape, 11.3 us against
-# 12.4). In the 35B-A3B step the same choices were slower (2.69 ms against 2.50 with the
-# defaults), so that shape keeps the defaults.
-SHAPE_TILES: dict[tuple[int, int, int], dict] = {
-    (24, 4, 256): {"MAX_SPLITS": 32, "num_stages": 3, "REDUCE_BLOCK_D": 32},  # Qwen3.5-27B
-    (8, 2, 256): {"MAX_SPLITS": 32, "num_stages": 3, "REDUCE_BLOCK_D": 32},  # Qwen3.5-0.8B
-}
+# Launch choices: ``launch.LaunchSettings``' attention_* fields, by (query heads, KV heads,
+# head_dim) where a shape was measured (``bench.attention_tune`` times them). The merge programs
+# take slices of the head dim: a lone sequence has only ``H`` heads to merge, each over up to 64
+# splits, so whole heads left most SMs idle (8 us per layer for 16 heads of 256 on an H200).
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -45,8 +35,9 @@ def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, dev
         index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    wanted = triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * _SM_COUNT[index], batch * kv_heads)
-    return max(1, min(wanted, max_splits or MAX_SPLITS, triton.cdiv(max_tokens, block_n)))
+    s = launch.current()
+    wanted = triton.cdiv((programs_per_sm or s.attention_programs_per_sm) * _SM_COUNT[index], batch * kv_heads)
+    return max(1, min(wanted, max_splits or s.attention_max_splits, triton.cdiv(max_tokens, block_n)))
 
 
 @triton.jit
@@ -138,12 +129,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
                                   scale: float, gate: torch.Tensor | None = None,
                                   tiles: dict | None = None) -> torch.Tensor:
     """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``tiles``
-    overrides the launch choices (those of ``SHAPE_TILES`` for the shape, else the module's
-    defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
+    overrides the launch choices (the launch settings' ``attention_shape_tiles`` entry for the
+    shape, else their attention_* defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
     (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
-    t = dict(SHAPE_TILES.get((h, hkv, d), {}), **(tiles or {}))
+    settings = launch.current()
+    t = dict(settings.attention_shape_tiles.get((h, hkv, d), {}), **(tiles or {}))
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("paged attention kernel: head_dim must be a power of two and pages contiguous")
     q = q.contiguous()
@@ -151,7 +143,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     group = h // hkv
     g_pad = max(16, triton.next_power_of_2(group))
     block_n = t.get("BLOCK_N", 32 if d >= 256 else 64)
-    max_splits = t.get("MAX_SPLITS") or MAX_SPLITS
+    max_splits = t.get("MAX_SPLITS") or settings.attention_max_splits
     num_splits = num_splits_for(b, hkv, block_tables.shape[1] * p, block_n, q.device, t.get("PROGRAMS_PER_SM"),
                                 max_splits)
     m = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
@@ -166,7 +158,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     out = torch.empty_like(q)
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"paged attention: gate {tuple(gate.shape)} strides {gate.stride()} for q {tuple(q.shape)}")
-    block_d = min(d, t.get("REDUCE_BLOCK_D", REDUCE_BLOCK_D))
+    block_d = min(d, t.get("REDUCE_BLOCK_D", settings.attention_reduce_block_d))
     _reduce_kernel[(b * h, d // block_d)](m, l, acc, out if gate is None else gate, out, num_splits,
                              *((0, 0) if gate is None else gate.stride()[:2]), H=h, D=d, BLOCK_D=block_d,
                              # padded to the shape's most splits, not this step's: one variant per shape

@@ -9,29 +9,22 @@ start (and the latency of its first weight loads) behind the tail of the kernel 
 other kernel in the stream waits for everything before it, as without PDL. CUDA-graph capture
 keeps the launches' programmatic edges.
 
-Two forms: ``NINFER_PDL=late`` (the default) releases the next kernel right after the wait;
-``NINFER_PDL=1`` releases it at the start of each program, before the wait (the next kernel's
-programs may then be resident and waiting while this one runs); ``NINFER_PDL=0`` turns it off.
-Timed on an H200 at the 35B-A3B shape, batch 1 (bench/RESULTS.md, 2026-12-01 later): off 2.57 ms
+Two forms, the launch setting ``pdl``: ``late`` (the default) releases the next kernel right
+after the wait; ``first`` releases it at the start of each program, before the wait (the next
+kernel's programs may then be resident and waiting while this one runs); ``off``. Timed on an H200 at the 35B-A3B shape, batch 1 (bench/RESULTS.md, 2026-12-01 later): off 2.57 ms
 per step, release first 2.51, late release 2.50. An earlier form in which the GEMV also read its
 first weight chunk before the wait was slower than none (2.71 ms against 2.58).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import launch
 from .triton_switch import INTERPRET
-
-_MODES = {"0": 0, "off": 0, "1": 1, "late": 2}
-_SETTING = os.environ.get("NINFER_PDL", "late").strip().lower() or "late"
-if _SETTING not in _MODES:
-    raise ValueError(f"NINFER_PDL={_SETTING!r}: expected late (the default), 1, or 0 / off")
-MODE = _MODES[_SETTING]  # 0 off, 1 release first, 2 release after the wait
 
 
 @functools.cache
@@ -41,15 +34,16 @@ def _hopper(index: int) -> bool:
 
 def pdl_options(t: torch.Tensor) -> dict:
     """Launch options for a kernel taking a ``PDL`` constexpr, for a launch on ``t``'s device."""
-    on = MODE != 0 and t.is_cuda and not INTERPRET and \
+    mode = launch.current().pdl_mode  # 0 off, 1 release first, 2 release after the wait
+    on = mode != 0 and t.is_cuda and not INTERPRET and \
         _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return {"PDL": MODE, "launch_pdl": True} if on else {"PDL": 0}
+    return {"PDL": mode, "launch_pdl": True} if on else {"PDL": 0}
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the kernels before this one and let the next one start, in the order of the mode
-    (``MODE``); a no-op without PDL."""
+    (``PDL``: 1 release first, 2 release after the wait); a no-op without PDL."""
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

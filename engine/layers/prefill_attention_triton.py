@@ -20,18 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch
 from .paged_attention_triton import _pool_rows
 from .prefill_attention import check_args
 
-# Launch choices by head_dim: (query, head) pairs per tile, keys per step, warps, pipelining
-# stages; the fastest of ``bench.prefill_attention --sweep`` on an H200 (triton 3.6) for a
-# 4096-token chunk over a 16K prefix (256: 24 / 4 heads, 441 TFLOP/s, the same choice fastest
-# at prefixes 0 and 128K; 128: 32 / 8 heads, 400; 64: 12 / 2 heads, 330).
-TILES: dict[int, dict] = {
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-    128: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    256: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-}
+# Launch choices by head_dim: ``launch.LaunchSettings.prefill_attention_tiles`` ((query, head)
+# pairs per tile, keys per step, warps, pipelining stages; ``bench.prefill_attention --sweep``
+# times them).
 
 
 @triton.jit
@@ -108,7 +103,7 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     stride); pages ``[num_pages, P, Hkv, D]`` contiguous; ``block_tables`` ``[R, M]``,
     ``cu_seqlens_q`` ``[R + 1]``, ``ctx_lens`` ``[R]`` int32 on the device; ``max_seqlen_q`` the
     longest row's query count (a host int, at least that row's: a smaller one leaves the rows'
-    last tokens uncomputed). ``tiles`` overrides ``TILES[D]`` (``BLOCK_M``, ``BLOCK_N``,
+    last tokens uncomputed). ``tiles`` overrides the launch settings' tiles for ``D`` (``BLOCK_M``, ``BLOCK_N``,
     ``num_warps``, ``num_stages``). Returns ``[T, H, D]`` contiguous, in ``q``'s dtype."""
     check_args(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens, gate)
     t, h, d = q.shape
@@ -128,7 +123,8 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0 or rows == 0:
         return out
-    c = dict(TILES.get(d, TILES[128]), **(tiles or {}))
+    table = launch.current().prefill_attention_tiles
+    c = dict(table.get(d, table[128]), **(tiles or {}))
     group = h // hkv
     grid = (triton.cdiv(max_seqlen_q * group, c["BLOCK_M"]), rows, hkv)
     _prefill_kernel[grid](

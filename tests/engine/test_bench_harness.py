@@ -57,48 +57,42 @@ def test_peer_harness_on_cpu_reads_both_decode_figures_and_the_table_shows_them(
     assert row.endswith(f"| {100 * floor_ms / ours['decode'][1]['ms_per_step']:.1f}% |")
 
 
-def test_settings_replace_module_values_and_reject_what_is_not_there(monkeypatch):
-    """``bench.decode --set``: a module-level setting, or one entry of a dict setting, replaced by
-    a literal of its type; a wrong module, name, literal or type is a clear error, and nothing is
-    half-set."""
+def test_set_changes_launch_settings_and_rejects_what_is_not_there():
+    """``bench.decode --set``: a launch setting, or one entry of a table setting, changed to a
+    literal of its type; a wrong name, literal, type or value is a clear error, and nothing is
+    half-changed."""
     import re
 
     import pytest
 
-    from bench.decode import apply_settings, main
-    from ninfer.engine.layers import paged_attention_triton as pa
+    from bench.decode import main
+    from ninfer.engine import launch
 
-    monkeypatch.setattr(pa, "MAX_SPLITS", pa.MAX_SPLITS)  # put back after the test
-    monkeypatch.setattr(pa, "SHAPE_TILES", pa.SHAPE_TILES)
-    made = apply_settings(["engine.layers.paged_attention_triton.MAX_SPLITS=16",
-                           "engine.layers.paged_attention_triton.SHAPE_TILES={}"])
-    assert pa.MAX_SPLITS == 16 and pa.SHAPE_TILES == {}
-    assert made == ["engine.layers.paged_attention_triton.MAX_SPLITS=16",
-                    "engine.layers.paged_attention_triton.SHAPE_TILES={}"]
-    for spec, why in [("engine.layers.paged_attention_triton.MAX_SPLITS", "expected MODULE.NAME=VALUE"),
-                      ("engine.layers.nothing.X=1", "no module ninfer.engine.layers.nothing"),
-                      ("engine.layers.paged_attention_triton.MAX_SPLIT=1", "has no setting MAX_SPLIT"),
-                      ("engine.layers.paged_attention_triton.MAX_SPLITS=lots", "is not a Python literal"),
-                      ("engine.layers.paged_attention_triton.MAX_SPLITS=1.5", "MAX_SPLITS holds int, not float"),
-                      ("engine.layers.paged_attention_triton.MAX_SPLITS[1]=2", "MAX_SPLITS holds int, not a dict"),
-                      ("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 1, 1)]=3", "holds dict values, not int")]:
+    changes, made = launch.changes_from_specs(["attention_max_splits=16", "attention_shape_tiles={}", "pdl='off'"])
+    assert changes == {"attention_max_splits": 16, "attention_shape_tiles": {}, "pdl": "off"}
+    assert made == ["attention_max_splits=16", "attention_shape_tiles={}", "pdl='off'"]
+    before = launch.current()
+    for spec, why in [("attention_max_splits", "expected NAME=VALUE"),
+                      ("attention_max_split=1", "attention_max_split is not a launch setting"),
+                      ("attention_max_splits=lots", "is not a Python literal"),
+                      ("attention_max_splits=1.5", "attention_max_splits holds int, not float"),
+                      ("attention_max_splits[1]=2", "attention_max_splits holds int, not a table"),
+                      ("pdl='sometimes'", "pdl='sometimes': expected one of off, first, late"),
+                      ("norm_gemv_shape_tiles[(1, 1, 1)]=3", "holds dict values, not int")]:
         with pytest.raises(ValueError, match=re.escape(why)):
-            apply_settings(["engine.layers.paged_attention_triton.MAX_SPLITS=8", spec])
-    assert pa.MAX_SPLITS == 16  # a refused list sets nothing, not even its good specs
+            launch.changes_from_specs(["attention_max_splits=8", spec])
+    assert launch.current() is before  # nothing put in force
 
-    from ninfer.engine.layers import fused_linear
-
-    monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", fused_linear.NORM_GEMV_SHAPE_TILES)
-    before = dict(fused_linear.NORM_GEMV_SHAPE_TILES)
-    made = apply_settings(['engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 8192, 2048)]='
-                           '{"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1}',
-                           'engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 9216, 2048)]={"BLOCK_N": 2}'])
-    assert fused_linear.NORM_GEMV_SHAPE_TILES == {**before, (1, 8192, 2048): {"BLOCK_N": 8, "BLOCK_K": 512,
-                                                                              "num_warps": 1},
-                                                  (1, 9216, 2048): {"BLOCK_N": 2}}
-    assert made[0].startswith("engine.layers.fused_linear.NORM_GEMV_SHAPE_TILES[(1, 8192, 2048)]=")
+    with launch.using(launch.load("NVIDIA H200")):
+        table = launch.current().norm_gemv_shape_tiles
+        changes, made = launch.changes_from_specs(['norm_gemv_shape_tiles[(1, 8192, 2048)]='
+                                                   '{"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1}',
+                                                   'norm_gemv_shape_tiles[(1, 9216, 2048)]={"BLOCK_N": 2}'])
+    assert changes["norm_gemv_shape_tiles"] == {**table, (1, 8192, 2048): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1},
+                                                (1, 9216, 2048): {"BLOCK_N": 2}}
+    assert made[0].startswith("norm_gemv_shape_tiles[(1, 8192, 2048)]=")
     with pytest.raises(SystemExit) as e:  # the command line refuses it before touching the GPU
-        main(["--shape", "qwen3.5-0.8b", "--set", "engine.layers.paged_attention_triton.MAX_SPLITS=x"])
+        main(["--shape", "qwen3.5-0.8b", "--set", "attention_max_splits=x"])
     assert e.value.code == 2
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.layers import fused_linear
-from ninfer.engine.layers.fused_linear import (GEMV_MAX_ROWS, GEMV_SHAPE_TILES, decode_linear, gemv_tiles,
-                                               norm_linear, split_linear)
+from ninfer.engine import launch
+from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles, norm_linear, split_linear
 from ninfer.engine.layers.norm import RMSNorm
 
 
@@ -39,10 +39,11 @@ def test_norm_linear_is_norm_then_f_linear_on_cpu(monkeypatch):
     torch.testing.assert_close(y, F.linear(hidden, w), rtol=1e-5, atol=1e-5)
 
 
-def test_gemv_tiles_rule():
+def test_gemv_tiles_rule(set_launch):
+    h200 = set_launch(launch.load("NVIDIA H200"))
     assert gemv_tiles(1, 2000, 4096) is not None  # tall K: cuBLAS would split it
     assert gemv_tiles(1, 12000, 2048) is None  # wide and not measured: cuBLAS streams it well
-    assert gemv_tiles(1, 12352, 2048) == GEMV_SHAPE_TILES[(1, 12352, 2048)]  # measured: the GEMV won
+    assert gemv_tiles(1, 12352, 2048) == h200.gemv_shape_tiles[(1, 12352, 2048)]  # measured: the GEMV won
     assert gemv_tiles(0, 2048, 4096) is None
-    for m in (GEMV_MAX_ROWS + 1, 64, 4096):
+    for m in (h200.gemv_max_rows + 1, 64, 4096):
         assert gemv_tiles(m, 2048, 4096) is None

@@ -80,15 +80,15 @@ def test_greedy_batch_invariance_with_cuda_graphs(ckpt, monkeypatch):
     assert together == alone
 
 
-def test_inputs_advanced_in_the_graph_give_the_same_tokens(ckpt, monkeypatch):
-    """With ``cuda_graphs.ADVANCE_IN_GRAPH`` the greedy steps that follow one another send no
+def test_inputs_advanced_in_the_graph_give_the_same_tokens(ckpt, monkeypatch, set_launch):
+    """With the launch setting ``advance_in_graph`` the greedy steps that follow one another send no
     inputs unless a sequence takes a new page, and every request gets the tokens it gets without."""
     from ninfer.engine import cuda_graphs
 
     model = load_model(ckpt, "cuda", torch.float32)
-    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", False)
+    set_launch(advance_in_graph=False)
     plain = _greedy(model, ckpt.tokenizer, tuple(range(8)))
-    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", True)
+    set_launch(advance_in_graph=True)
     sends = []
     send = cuda_graphs.CudaGraphDecoder._send
     monkeypatch.setattr(cuda_graphs.CudaGraphDecoder, "_send", lambda *a, **k: sends.append(send(*a, **k)) or sends[-1])
@@ -96,9 +96,9 @@ def test_inputs_advanced_in_the_graph_give_the_same_tokens(ckpt, monkeypatch):
     assert sends.count(False) >= 5 and sends.count(True) >= 5  # steps without a copy, and pages taken
 
 
-@pytest.mark.parametrize("advance", [False, True])  # cuda_graphs.ADVANCE_IN_GRAPH
+@pytest.mark.parametrize("advance", [False, True])  # the launch setting advance_in_graph
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
-def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_factory, monkeypatch):
+def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_factory, monkeypatch, set_launch):
     """The overlap scenario on the GPU: graph replays launched from device-side tokens (pinned
     staging, bucket padding rows that come and go; ``advance``: positions, lengths and write rows
     advanced inside the graph, steps that send no inputs) give what eager decode without overlap
@@ -111,7 +111,7 @@ def test_overlapped_graph_decode_keeps_every_output(name, advance, tmp_path_fact
     parts = (load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer)
     specs, kw = scenario(parts, device="cuda", cuda_graphs=False)
     plain, _ = drive(parts, False, specs, **kw)
-    monkeypatch.setattr(cuda_graphs, "ADVANCE_IN_GRAPH", advance)
+    set_launch(advance_in_graph=advance)
     sends = []
     send = cuda_graphs.CudaGraphDecoder._send
     monkeypatch.setattr(cuda_graphs.CudaGraphDecoder, "_send", lambda *a, **k: sends.append(send(*a, **k)) or sends[-1])
@@ -138,14 +138,14 @@ class _EveryShape(dict):
         return {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}
 
 
-def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
+def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch, set_launch):
     """Decode with every pre-norm add + RMSNorm inside the next projection's GEMV (``norm_linear``,
     the attention / GDN input projections) gives the greedy tokens of the separate norm launch."""
-    from ninfer.engine.layers import fused_linear, gemv_triton
+    from ninfer.engine.layers import gemv_triton
 
     model = load_model(ckpt, "cuda", torch.float32)
     unfused = _greedy(model, ckpt.tokenizer)
-    monkeypatch.setattr(fused_linear, "NORM_GEMV_SHAPE_TILES", _EveryShape())
+    set_launch(norm_gemv_shape_tiles=_EveryShape())
     launch, calls = gemv_triton.norm_gemv_triton, []
 
     def counted(*args, **kwargs):
@@ -157,8 +157,8 @@ def test_norm_in_projection_decodes_as_unfused(ckpt, monkeypatch):
     assert calls  # the fused launch ran
 
 
-@pytest.mark.parametrize("mode", [1, 2])  # NINFER_PDL=1 (release first) and =late (release after the wait)
-def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["first", "late"])  # release first, release after the wait
+def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, set_launch):
     """The decode kernels launched with programmatic dependent launch, each waiting for the one
     before, give the greedy tokens of plain launches."""
     from ninfer.engine.layers import pdl
@@ -166,8 +166,8 @@ def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, monkeypatc
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or newer")
     model = load_model(ckpt, "cuda", torch.float32)
-    monkeypatch.setattr(pdl, "MODE", 0)
+    set_launch(pdl="off")
     plain = _greedy(model, ckpt.tokenizer)
-    monkeypatch.setattr(pdl, "MODE", mode)
-    assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == mode
+    set_launch(pdl=mode)
+    assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == {"first": 1, "late": 2}[mode]
     assert _greedy(model, ckpt.tokenizer) == plain

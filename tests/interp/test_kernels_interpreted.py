@@ -12,12 +12,12 @@ from support.kernel_cases import (check_attention_decode, check_gdn_decode, chec
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("d, h, hkv, page, sms, block_d", [(64, 8, 2, 16, 4, 16), (32, 4, 4, 8, 64, 64)])
-def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatch):
+def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatch, set_launch):
     from ninfer.engine.layers import paged_attention_triton as kernel
     from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
 
     monkeypatch.setitem(kernel._SM_COUNT, -1, sms)  # many SMs: many splits, merged in blocks
-    monkeypatch.setattr(kernel, "REDUCE_BLOCK_D", block_d)  # 16: each head merged in four slices
+    set_launch(attention_reduce_block_d=block_d)  # 16: each head merged in four slices
     b, pages = 3, 40
     k = torch.randn(pages, page, hkv, d)
     v = torch.randn_like(k)
@@ -35,8 +35,8 @@ def test_paged_decode_attention(d, h, hkv, page, sms, block_d, gated, monkeypatc
 @pytest.mark.parametrize("per_shape", [False, True])
 def test_paged_decode_attention_launch_choices(per_shape, monkeypatch):
     """The tuning overrides (more split programs, a split cap that does not divide the context,
-    smaller steps and merge slices), passed per call or as the shape's entry of ``SHAPE_TILES``,
-    give the reference's output."""
+    smaller steps and merge slices), passed per call or as the shape's entry of the launch
+    settings' ``attention_shape_tiles``, give the reference's output."""
     from ninfer.engine.layers import paged_attention_triton as kernel
     from ninfer.engine.layers.paged_attention import paged_decode_attention_ref
 
@@ -48,7 +48,11 @@ def test_paged_decode_attention_launch_choices(per_shape, monkeypatch):
     tiles = {"PROGRAMS_PER_SM": 8, "MAX_SPLITS": 5, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
              "REDUCE_BLOCK_D": 8}
     if per_shape:
-        monkeypatch.setitem(kernel.SHAPE_TILES, (4, 2, 32), tiles)
+        from ninfer.engine import launch
+
+        shapes = launch.current().attention_shape_tiles
+        monkeypatch.setattr(launch, "_active", launch.current().changed(attention_shape_tiles={**shapes,
+                                                                                                (4, 2, 32): tiles}))
     caps = []
     splits = kernel.num_splits_for
     monkeypatch.setattr(kernel, "num_splits_for", lambda *a: caps.append(a[-1]) or splits(*a))
@@ -132,13 +136,13 @@ def test_moe_block(tokens, gemv_limit, shared, monkeypatch):
     (3, 48, None),  # a shared expert of its own size: not folded, run beside
     (3, 32, {"ROWS": 16, "TOKENS": 1, "num_warps": 4}),  # 2 x 3 programs: fewer row programs than tokens
     (3, 0, {"ROWS": 4, "TOKENS": 2, "num_warps": 4}),  # a ragged last token group
-    (3, 32, "router after the wait"),  # ROUTER_BEFORE_WAIT off
+    (3, 32, "router after the wait"),  # launch setting moe_router_before_wait off
 ])
 def test_moe_norm_route(tokens, shared, tiles, monkeypatch):
     if tiles == "router after the wait":
-        from ninfer.engine.layers import moe_triton
+        from ninfer.engine import launch
 
-        monkeypatch.setattr(moe_triton, "ROUTER_BEFORE_WAIT", False)
+        monkeypatch.setattr(launch, "_active", launch.current().changed(moe_router_before_wait=False))
         tiles = None
     check_moe_norm_route(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=16, top_k=4, inter=32,
                          shared=shared, tiles=tiles)

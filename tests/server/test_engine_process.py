@@ -141,3 +141,23 @@ def test_a_weights_file_cut_short_stops_the_server_with_its_name(tiny, tmp_path)
     last = done.stderr.splitlines()[-1]
     assert last.startswith(f"ninfer-serve: {weights} is not a readable safetensors file")
     assert "Traceback" not in done.stderr
+
+
+def test_a_tuned_config_that_is_not_of_its_form_stops_the_server_at_start(tiny, tmp_path):
+    """``--tuned-config``: a file naming no launch setting is refused before the engine starts,
+    naming the entry; a well-formed one serves."""
+    bad = tmp_path / "tuned.json"
+    bad.write_text(json.dumps({"gemv_tiles": {}}))
+    done = subprocess.run([sys.executable, "-m", "ninfer.server.cli", str(tiny), "--port", str(free_port()),
+                           "--tuned-config", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == f"ninfer-serve: {bad}: 'gemv_tiles' is not a launch setting"
+    assert "Traceback" not in done.stderr
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"pdl": "off", "gemv_shape_tiles": {"1,64,64": None}}))
+    server = serve(tiny, tmp_path, "--tuned-config", str(good))
+    try:
+        r = httpx.post(server.base_url + "/completion", json={"prompt": [5, 6], "n_predict": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 3
+    finally:
+        server.stop()

@@ -174,8 +174,8 @@ def check_moe_norm_route(monkeypatch, device: str, dtype: torch.dtype, tokens: i
     """``SparseMoeBlock.forward_residual``: residual add + RMSNorm + router GEMV + routing in one
     launch (``norm_route_triton``), against the unfused kernels (``add_rms_norm_triton``, router
     GEMV, ``route_triton``, the same experts), computed independently; twice in a row, so a
-    counter left non-zero by the first launch shows up in the second. ``tiles`` overrides
-    ``moe_triton.NORM_ROUTE_TILES`` (fewer programs than tokens, ragged token tiles)."""
+    counter left non-zero by the first launch shows up in the second. ``tiles`` replaces the
+    launch settings' ``moe_norm_route_tiles`` (fewer programs than tokens, ragged token tiles)."""
     from ninfer.engine.layers import moe_triton
     from ninfer.engine.layers.moe import SparseMoeBlock
     from ninfer.engine.layers.norm import RMSNorm
@@ -189,7 +189,10 @@ def check_moe_norm_route(monkeypatch, device: str, dtype: torch.dtype, tokens: i
     assert folded == (shared == inter) and block._route_count is not None
     router = block._router if folded else block.gate.weight
     if tiles:
-        monkeypatch.setattr(moe_triton, "NORM_ROUTE_TILES", ((1 << 30, tiles),))
+        from ninfer.engine import launch
+
+        # in force for this test only
+        monkeypatch.setattr(launch, "_active", launch.current().changed(moe_norm_route_tiles=((1 << 30, tiles),)))
     calls = []
     fused_entry = moe_triton.norm_route_triton
     monkeypatch.setattr(moe_triton, "norm_route_triton", lambda *a, **k: calls.append(1) or fused_entry(*a, **k))
