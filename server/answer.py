@@ -2,10 +2,10 @@
 as one JSON body. The client going away cancels the request in both cases."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
@@ -15,15 +15,28 @@ from .state import ServerState
 from .streaming import sse_response
 
 Outputs = AsyncIterator[RequestOutput]
+OMITTED_TOOLS_HEADER = "x-ninfer-omitted-tools"
+
+
+def name_omitted_tools(response: Response, omitted: Sequence[str]) -> Response:
+    """Name the tools left out of the prompt (hosted tool types the server cannot run, or every
+    function where the chat template has no place for tools), so a client can see what it lacks."""
+    if omitted:
+        response.headers[OMITTED_TOOLS_HEADER] = ",".join(omitted)
+    return response
 
 
 async def answer(request: Request, state: ServerState, prompt_ids: list[int], params: SamplingParams,
                  request_id: str, stream: bool | None,
                  frames: Callable[[RequestOutput, Outputs], AsyncIterator[str]],
-                 whole: Callable[[Outputs], Awaitable[Any]]) -> StreamingResponse | JSONResponse:
+                 whole: Callable[[Outputs], Awaitable[Any]],
+                 keepalive: Callable[[], str] | None = None,
+                 omitted_tools: Sequence[str] = ()) -> StreamingResponse | JSONResponse:
     """``frames(admitted, outputs)`` gives the SSE frames of a streamed answer, ``whole(outputs)``
-    the JSON body of a complete one."""
+    the JSON body of a complete one; ``keepalive()`` the API's idle frame (default: a comment);
+    ``omitted_tools`` are named in a header."""
     admitted, outputs = await cancel_on_disconnect(request, start(state, prompt_ids, params, request_id))
     if stream:
-        return sse_response(frames(admitted, outputs), state.keepalive_s)
-    return JSONResponse(await cancel_on_disconnect(request, whole(outputs)))
+        return name_omitted_tools(sse_response(frames(admitted, outputs), state.keepalive_s, keepalive),
+                                  omitted_tools)
+    return name_omitted_tools(JSONResponse(await cancel_on_disconnect(request, whole(outputs))), omitted_tools)

@@ -198,6 +198,9 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop 
                    template: ChatTemplate, config: EngineConfig) -> tuple[ServerState, EngineLoop | EngineProcess]:
     from .cli import default_model_id
 
+    if not template.renders_tools:
+        log.warning("the chat template has no place for tool definitions: requests' tools are left out of "
+                    "the prompt, and each answer names them in the x-ninfer-omitted-tools header")
     state = ServerState(
         engine=AsyncEngine(loop, config, eos_ids(ckpt, tokenizer)),
         tokenizer=tokenizer,

@@ -140,6 +140,13 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: lis
     return guard.encode(text, literals)
 
 
+def tools_left_out(state: ServerState, specs: Sequence[ToolSpec]) -> list[str]:
+    """The names of the request's tools that its prompt cannot show: all of them where the chat
+    template has no place for tool definitions (SmolLM2's). The answer names them in the
+    ``x-ninfer-omitted-tools`` header, so an agent can see that the model was not told of them."""
+    return [s.name for s in specs] if specs and not state.template.renders_tools else []
+
+
 def check_token_ids(state: ServerState, ids: Sequence[int], param: str, offset: int = 0) -> None:
     """Every id is one the tokenizer decodes and the model embeds (the engine's ``token_limit``;
     a checkpoint may declare more rows than its tokenizer has ids): a 400 naming ``param[i]``

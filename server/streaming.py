@@ -1,14 +1,16 @@
 """Server-sent events for every API family.
 
 ``sse_response`` wraps an async iterator of SSE frames in a streaming response that sends a
-``: keep-alive`` comment whenever ``interval`` seconds pass without a frame (the comment is
-transport only: SSE clients ignore it).
+keep-alive whenever ``interval`` seconds pass without a frame: a ``: keep-alive`` comment (SSE
+clients ignore it), or the API's own idle event where its clients count only events as signs of
+life (Anthropic's ``ping``; a Responses ``response.in_progress``: Codex drops a stream after five
+minutes without an event, which a long prompt on a small GPU can take to prefill).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -27,36 +29,68 @@ def sse_event(event: str, body: Any) -> str:
     return f"event: {event}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
-    """``frames``, with a keep-alive comment after each ``interval`` seconds of silence."""
-    iterator = frames.__aiter__()
-    pending: asyncio.Future | None = None
+async def with_keepalive(frames: AsyncIterator[str], interval: float,
+                         keepalive: Callable[[], str] | None = None) -> AsyncIterator[str]:
+    """``frames``, with a keep-alive after each ``interval`` seconds of silence: ``keepalive()``
+    (a frame of the API's own), else a comment.
+
+    One task per response runs ``frames`` and hands each frame over; the response waits on a
+    plain future with a timer, so a frame costs no task and no ``asyncio.wait`` (at 64 streams
+    the gateway handles thousands of frames a second on one thread). Frames that piled up while
+    the response was sending go out together."""
+    loop = asyncio.get_running_loop()
+    ready: list[str] = []
+    waiter: asyncio.Future | None = None
+    finished = False
+    failure: BaseException | None = None
+
+    def wake() -> None:
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def produce() -> None:
+        nonlocal finished, failure
+        try:
+            async for frame in frames:
+                ready.append(frame)
+                wake()
+        except Exception as exc:  # noqa: BLE001 - raised again on the response's side
+            failure = exc
+        finally:
+            finished = True
+            wake()
+
+    producer = loop.create_task(produce())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield KEEPALIVE
+            if ready:
+                batch = "".join(ready)
+                ready.clear()
+                yield batch
                 continue
-            try:
-                frame = pending.result()
-            except StopAsyncIteration:
-                pending = None
+            if finished:
+                if failure is not None:
+                    raise failure
                 return
-            pending = None
-            yield frame
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
+            waiter = loop.create_future()
+            timer = loop.call_later(interval, wake)
             try:
-                await pending
-            except (asyncio.CancelledError, StopAsyncIteration, Exception):
+                await waiter
+            finally:
+                timer.cancel()
+                waiter = None
+            if not ready and not finished:
+                yield KEEPALIVE if keepalive is None else keepalive()
+    finally:
+        if not producer.done():
+            producer.cancel()
+            try:
+                await producer
+            except asyncio.CancelledError:
                 pass
-        closer = getattr(iterator, "aclose", None)
-        if closer is not None:
-            await closer()
 
 
-def sse_response(frames: AsyncIterator[str], interval: float) -> StreamingResponse:
-    return StreamingResponse(with_keepalive(frames, interval), media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(frames: AsyncIterator[str], interval: float,
+                 keepalive: Callable[[], str] | None = None) -> StreamingResponse:
+    return StreamingResponse(with_keepalive(frames, interval, keepalive), media_type="text/event-stream",
+                             headers=SSE_HEADERS)

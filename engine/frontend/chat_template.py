@@ -11,6 +11,7 @@ from importlib import resources
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -31,8 +32,11 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(source)
+            names = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
+        # whether the template puts tool definitions in the prompt at all (SmolLM2's does not)
+        self.renders_tools = "tools" in names
 
     def render(
         self,

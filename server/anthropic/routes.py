@@ -5,8 +5,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..answer import answer
+from ..generation import tools_left_out
 from ..json_body import JSONBodyRoute
 from ..state import state_of
+from ..streaming import sse_event
 from . import serving
 from .errors import AnthropicEnvelope
 from .protocol import MessagesRequest
@@ -20,7 +22,9 @@ async def messages(body: MessagesRequest, request: Request):
     prep = await state.workers.run(serving.PreparedMessages, body, state)
     return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
                         lambda admitted, outputs: serving.stream(prep, admitted, outputs),
-                        lambda outputs: serving.complete(prep, outputs))
+                        lambda outputs: serving.complete(prep, outputs),
+                        keepalive=lambda: sse_event("ping", {"type": "ping"}),
+                        omitted_tools=tools_left_out(state, prep.tools))
 
 
 @router.post("/v1/messages/count_tokens")

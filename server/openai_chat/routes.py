@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..answer import answer
+from ..generation import tools_left_out
 from ..json_body import JSONBodyRoute
 from ..state import state_of
 from . import serving
@@ -19,4 +20,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     p = chat.prepared
     return await answer(request, state, p.prompt_ids, p.params, chat.id, body.stream,
                         lambda admitted, outputs: serving.stream(chat, admitted, outputs),
-                        lambda outputs: serving.complete(chat, outputs))
+                        lambda outputs: serving.complete(chat, outputs),
+                        omitted_tools=tools_left_out(state, p.tools))

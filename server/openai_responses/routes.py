@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
-from ..answer import answer
+from ..answer import answer, name_omitted_tools
 from ..errors import APIError, unsupported
 from ..json_body import JSONBodyRoute
 from ..state import state_of
 from . import serving
 from .protocol import InputItemsOrder, InputTokensRequest, ResponsesRequest
-from .tools import OMITTED_TOOLS_HEADER
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -20,24 +19,17 @@ async def create(body: ResponsesRequest, request: Request):
     state = state_of(request)
     run = await state.workers.run(serving.ResponseRun, body, state)
     p = run.prepared
-    response = await answer(request, state, p.prompt_ids, p.params, run.id, body.stream,
-                            lambda _, outputs: serving.stream(run, outputs),
-                            lambda outputs: serving.complete(run, outputs))
-    return omitted_tools_header(response, run.p.omitted_tools)
+    return await answer(request, state, p.prompt_ids, p.params, run.id, body.stream,
+                        lambda _, outputs: serving.stream(run, outputs),
+                        lambda outputs: serving.complete(run, outputs), keepalive=run.still_working,
+                        omitted_tools=run.omitted_tools)
 
 
 @router.post("/v1/responses/input_tokens")
 async def input_tokens(body: InputTokensRequest, request: Request) -> JSONResponse:
     state = state_of(request)
     count, omitted = await state.workers.run(serving.count_input_tokens, body, state)
-    return omitted_tools_header(JSONResponse(count), omitted)
-
-
-def omitted_tools_header(response: Response, omitted: list[str]) -> Response:
-    """Name the hosted tool types left out of the prompt, so a client can see what it lacks."""
-    if omitted:
-        response.headers[OMITTED_TOOLS_HEADER] = ",".join(omitted)
-    return response
+    return name_omitted_tools(JSONResponse(count), omitted)
 
 
 @router.post("/v1/responses/compact")

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
-from ..generation import Sampling, check_prompt, prepare, render_prompt, template_options
+from ..generation import Sampling, check_prompt, prepare, render_prompt, template_options, tools_left_out
 from ..openai_common import callable_tools, check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
@@ -64,12 +64,13 @@ class PreparedResponse:
 
 
 def count_input_tokens(req: InputTokensRequest, state: ServerState) -> tuple[dict[str, Any], list[str]]:
-    """The input-token count object, and the hosted tool types left out of the prompt."""
+    """The input-token count object, and the tools left out of the prompt (``ResponseRun.omitted_tools``)."""
     p = PreparedResponse(req, state)
     _, ids = render_prompt(state, p.messages, [t.template for t in p.tools], p.options, "input",
                            fit=True)
     check_prompt(state, ids, "input")
-    return {"object": "response.input_tokens", "input_tokens": len(ids)}, p.omitted_tools
+    left_out = p.omitted_tools + tools_left_out(state, [t.spec for t in p.tools])
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}, left_out
 
 
 class ResponseRun:
@@ -89,6 +90,19 @@ class ResponseRun:
         self.store: ResponseStore = state.responses
         # reasoning Items carry their text sealed when the client keeps the state itself
         self.seal = state.reasoning_seal.seal if req.include_encrypted_reasoning else None
+        self.seq = 0  # the stream's next sequence number
+        # hosted tool types the server cannot run, and functions the chat template cannot show
+        self.omitted_tools = self.p.omitted_tools + tools_left_out(state, self.prepared.tools)
+
+    def event(self, kind: str, body: dict[str, Any]) -> str:
+        """One stream event with the next sequence number."""
+        frame = sse_event(kind, {"type": kind, "sequence_number": self.seq, **body})
+        self.seq += 1
+        return frame
+
+    def still_working(self) -> str:
+        """The idle event of a stream that has sent nothing for a while (a long prompt prefilling)."""
+        return self.event("response.in_progress", {"response": self.obj("in_progress", [])})
 
     def parser(self) -> AssistantOutputParser:
         return AssistantOutputParser(self.prepared.starts_in_reasoning, self.prepared.tools)
@@ -156,12 +170,9 @@ async def complete(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> d
 
 async def stream(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     frames: list[str] = []
-    seq = 0
 
     def emit(kind: str, body: dict[str, Any]) -> None:
-        nonlocal seq
-        frames.append(sse_event(kind, {"type": kind, "sequence_number": seq, **body}))
-        seq += 1
+        frames.append(run.event(kind, body))
 
     parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit, run.seal)
     emit("response.created", {"response": run.obj("in_progress", [])})

@@ -22,7 +22,6 @@ HOSTED_TOOL_TYPES = frozenset([
     "file_search", "code_interpreter", "image_generation", "computer", "computer_use", "computer_use_preview",
     "mcp", "local_shell",
 ])
-OMITTED_TOOLS_HEADER = "x-ninfer-omitted-tools"
 
 
 @dataclass

@@ -120,6 +120,33 @@ def test_keepalive_comment_while_the_model_is_slow(served):
     assert data[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("path, body, idle", [
+    ("/v1/responses", {"input": "slow", "stream": True, "max_output_tokens": 3}, "response.in_progress"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "slow"}], "stream": True, "max_tokens": 3}, "ping"),
+])
+def test_apis_whose_clients_count_events_get_their_own_idle_event(served, path, body, idle):
+    """Codex drops a Responses stream after minutes without an event, which a long prompt can
+    take to prefill: its idle frames are ``response.in_progress`` events in sequence; Anthropic's
+    are ``ping`` events, as its API sends them."""
+    http, state = served
+    model = state.engine.loop.engine.model
+    state.keepalive_s, model.step_delay = 0.05, 0.15
+    try:
+        with http.stream("POST", path, json={"model": MODEL, **body}, headers=AUTH) as r:
+            frames = sse(r)
+    finally:
+        state.keepalive_s, model.step_delay = 5.0, 0.0
+    assert not [f for f in frames if f[0] == ":"]  # no comments: events only
+    events = [(e, json.loads(d)) for e, d in frames]
+    assert sum(e == idle for e, _ in events) >= 2 + (idle == "ping")  # the stream's own one, and idle ones
+    if idle == "ping":
+        assert events[-1][0] == "message_stop"
+    else:
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        assert events[-1][0] in ("response.completed", "response.incomplete")  # 3 tokens may cut it
+        assert all(d["response"]["status"] == "in_progress" for e, d in events if e == idle)
+
+
 def test_progress_and_per_token_timings(http):
     body = chat_body(stream=True, return_progress=True, timings_per_token=True)
     with http.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as r:
@@ -173,3 +200,35 @@ def test_response_resources(http):
         {"id": rid, "object": "response.deleted", "deleted": True}
     gone = http.get(f"/v1/responses/{rid}", headers=AUTH)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+])
+def test_tools_a_template_cannot_show_are_named_in_a_header(served, path, body):
+    """A chat template that never renders ``tools`` (SmolLM2's) leaves the model blind to them:
+    the answer says so, naming them in ``x-ninfer-omitted-tools`` (agents such as Claude Code and
+    Codex always send tools, and the embedded model still answers them); with tools it can show,
+    no header."""
+    from ninfer.engine.frontend.chat_template import ChatTemplate
+
+    http, state = served
+    plain = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    before, state.template = state.template, ChatTemplate(plain, eos_token="<|im_end|>")
+    try:
+        assert not state.template.renders_tools and before.renders_tools
+        blind = http.post(path, json={"model": MODEL, **body}, headers=AUTH)
+        with http.stream("POST", path, json={"model": MODEL, **body, "stream": True}, headers=AUTH) as r:
+            streamed = r.headers.get("x-ninfer-omitted-tools")
+            r.read()
+    finally:
+        state.template = before
+    seen = http.post(path, json={"model": MODEL, **body}, headers=AUTH)
+    assert blind.status_code == 200 and seen.status_code == 200, (blind.text, seen.text)
+    assert blind.headers["x-ninfer-omitted-tools"] == streamed == "f"
+    assert "x-ninfer-omitted-tools" not in seen.headers
