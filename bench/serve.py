@@ -11,7 +11,9 @@ largest stream count unless given): the embedded model by default, ``--model`` a
 with the vocabulary sized to the tokenizer the server gives it. For each stream count it warms the
 server up, then sends that many sessions through ``/completion`` (``ignore_eos``, streamed: each
 chunk names its tokens), all at once or starting at ``--rate`` per second (Poisson); a session of
-``--turns`` K sends the conversation again with the answer and a new user turn appended. Then,
+``--turns`` K sends the conversation again with the answer and a new user turn appended (the
+table then also shows the returning turns' time to first token and the share of their prompts
+that came from prefix checkpoints; ``-- --no-prefix-cache`` is the run without them). Then,
 with the server stopped, it builds the same model with the same engine settings in this process
 and times decode steps at the same batch, so the table reads the HTTP total against what the
 engine alone gives. It prints the table and writes JSON.
@@ -143,8 +145,10 @@ def _fmt(x: float | None, unit: str = "", scale: float = 1.0, digits: int = 2) -
 
 
 def table(runs: list[dict]) -> str:
+    turns = any(r.get("return_ttft_p50_s") is not None for r in runs)
+    extra = (" returning turns' TTFT p50 (prompt share cached) |", "---|") if turns else ("", "")
     rows = ["| streams | total tok/s | per-stream tok/s | TTFT p50 | TTFT p99 | ITL p99 | engine-direct decode tok/s "
-            "| ratio |", "|---|---|---|---|---|---|---|---|"]
+            "| ratio |" + extra[0], "|---|---|---|---|---|---|---|---|" + extra[1]]
     for r in runs:
         d = r.get("engine_direct")
         direct = f"{d['tok_s']:,.1f} (b={d['batch']})" if d else "-"
@@ -152,7 +156,9 @@ def table(runs: list[dict]) -> str:
         failed = f" ({r['failed']} of {r['requests']} failed)" if r["failed"] else ""
         rows.append(f"| {r['streams']}{failed} | {r['total_tok_s']:,.1f} | {_fmt(r['per_stream_tok_s'], digits=1)} | "
                     f"{_fmt(r['ttft_p50_s'], ' s')} | {_fmt(r['ttft_p99_s'], ' s')} | "
-                    f"{_fmt(r['itl_p99_s'], ' ms', 1e3, 1)} | {direct} | {ratio} |")
+                    f"{_fmt(r['itl_p99_s'], ' ms', 1e3, 1)} | {direct} | {ratio} |" +
+                    (f" {_fmt(r['return_ttft_p50_s'], ' s', digits=3)} ({_fmt(r['return_cached_share'], '%', 100, 0)}) |"
+                     if turns else ""))
     return "\n".join(rows)
 
 

@@ -55,6 +55,7 @@ class Record:
     turn: int
     sent: float
     prompt_tokens: int = 0  # as the server counted them
+    cached_tokens: int = 0  # of them, taken from a prefix checkpoint
     chunk_times: list[float] = field(default_factory=list)  # chunks that carried tokens
     chunk_sizes: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -147,6 +148,7 @@ async def send(client: httpx.AsyncClient, rec: Record, ids: list[int], load: Loa
         rec.error = "the stream ended without its final chunk"
         return
     rec.prompt_tokens = final.get("tokens_evaluated", 0)
+    rec.cached_tokens = final.get("tokens_cached", 0)
     got = len(rec.output_ids)
     if got != load.output_tokens or final.get("tokens_predicted") != got:
         rec.error = f"{got} tokens streamed, {final.get('tokens_predicted')} counted, {load.output_tokens} asked"
@@ -197,9 +199,11 @@ def _pct(xs: list[float], q: float) -> float | None:
 def summarize(records: list[Record], wall: float, load: Load) -> dict:
     """The run's figures: total tok/s (every streamed token over the wall time), per-stream tok/s
     (the mean over requests of their rate after the first token), time to first token and the gap
-    between chunks over all requests."""
+    between chunks over all requests; for sessions of several turns, the returning turns' time to
+    first token and the prompt tokens they took from prefix checkpoints."""
     ok = [r for r in records if r.error is None]
     ttft, gaps = [r.ttft for r in ok], [g for r in ok for g in r.gaps]
+    returning = [r for r in ok if r.turn > 0]
     rates = [x for x in (r.decode_tok_s for r in ok) if x is not None]
     tokens = sum(len(r.output_ids) for r in records)
     return {
@@ -209,7 +213,11 @@ def summarize(records: list[Record], wall: float, load: Load) -> dict:
         "per_stream_tok_s": statistics.fmean(rates) if rates else None,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "ttft_max_s": max(ttft, default=None),
         "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99),
+        "return_ttft_p50_s": _pct([r.ttft for r in returning], 50),
+        "return_cached_share": (sum(r.cached_tokens for r in returning) / max(sum(r.prompt_tokens for r in returning), 1)
+                                if returning else None),
         "requests_detail": [{"session": r.session, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
+                             "cached_tokens": r.cached_tokens,
                              "output_tokens": len(r.output_ids), "sent_s": r.sent, "done_s": r.done,
                              "ttft_s": r.ttft if r.chunk_times else None, "decode_tok_s": r.decode_tok_s
                              if r.chunk_times else None, "itl_p99_s": _pct(r.gaps, 99), "error": r.error}

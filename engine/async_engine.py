@@ -116,10 +116,12 @@ class AsyncEngine:
         return self.config.max_concurrency + self.config.max_pending
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        checkpoint_at: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request. Outputs that
-        pile up while the caller is busy come as one (``_Stream``)."""
+        pile up while the caller is busy come as one (``_Stream``). ``checkpoint_at``: where a
+        prefix checkpoint is kept (``Request.checkpoint_at``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
@@ -135,6 +137,7 @@ class AsyncEngine:
             params=params,
             max_total_tokens=self.config.max_context,
             eos_ids=self.eos_ids,
+            checkpoint_at=checkpoint_at,
         )
 
         def sink(out: RequestOutput) -> None:

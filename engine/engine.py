@@ -17,7 +17,7 @@ from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
-from .memory import plan_kv_pages
+from .memory import plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput
 from .request import FinishReason, Request, Status
@@ -39,12 +39,13 @@ class LLMEngine:
         # ids both the tokenizer decodes and the model embeds: prompts must stay below it, and
         # sampling never leaves it (a checkpoint's vocab_size may pad past its tokenizer's ids)
         self.token_limit = min(tokenizer.vocab_size, model.config.vocab_size)
-        num_pages = plan_kv_pages(model.config, config)
+        checkpoints = prefix_checkpoints(model.config, config)
+        num_pages = plan_kv_pages(model.config, config, checkpoints)
         graphs = config.cuda_graphs and self.device.type == "cuda"
         # captured decode graphs keep one page and one slot for their padding rows
         self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
-                                   config.host_cache_mib << 20)
+                                   config.host_cache_mib << 20, checkpoints)
         self.scheduler = Scheduler(config, self.caches)
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit)
         if graphs:
@@ -81,6 +82,8 @@ class LLMEngine:
             self.step()
         while self.has_work:
             self.step()
+        if self.caches.prefix is not None:
+            self.caches.prefix.clear()  # the warm-up's prompts are nobody's conversation
         self.scheduler.stats = type(self.scheduler.stats)()
         self.counters = EngineCounters()  # the warm-up is not the server's work
 
@@ -98,6 +101,13 @@ class LLMEngine:
             raise ValueError(f"prompt token at {bad} is out of range [0, {limit})")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.checkpoint_at is not None and not 0 < request.checkpoint_at <= len(request.prompt_ids):
+            raise ValueError(f"checkpoint_at {request.checkpoint_at} is outside the prompt's "
+                             f"{len(request.prompt_ids)} tokens")
+        if self.caches.prefix is None:
+            request.checkpoint_at = None  # no checkpoints: no chunk is cut for one
+        elif request.checkpoint_at is None:
+            request.checkpoint_at = len(request.prompt_ids)  # a prompt resent longer goes on from here
         request.generator = make_generator(request.params, self.device)
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
@@ -132,11 +142,13 @@ class LLMEngine:
             self.counters.scheduled(self.scheduler.admitted, plan)
             for r in self.scheduler.admitted:
                 r.admitted_time = time.monotonic()
-            outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids))
+            outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids),
+                                      cached_tokens=r.cached_tokens)
                         for r in self.scheduler.admitted]
             if not plan:
                 return outputs
             launched = self.runner.launch(plan)
+            self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)
         tokens = launched.read()
         outputs += self._progress(launched.plan, launched.ready)
@@ -144,6 +156,13 @@ class LLMEngine:
         # was already known (forced tokens): what it sampled for them is dropped
         ready = [(r, t) for r, t, wanted in zip(launched.ready, tokens, launched.still_wanted()) if wanted]
         return outputs + self._postprocess([r for r, _ in ready], [t for _, t in ready])
+
+    def _checkpoint(self, plan: list[tuple[Request, int]]) -> None:
+        """Keep a prefix checkpoint for each request whose computed tokens just reached its
+        ``checkpoint_at`` (the copies are queued behind the step that computed them)."""
+        for req, _ in plan:
+            if req.checkpoint_at is not None and req.num_computed == req.checkpoint_at:
+                self.caches.checkpoint(req.cache, req.all_ids[: req.checkpoint_at])
 
     def _launch_ahead(self, launched: Launched) -> Launched | None:
         """Launch the decode step that follows ``launched`` before its tokens are read, so the GPU
@@ -251,6 +270,7 @@ class LLMEngine:
             finish_reason=reason.value,
             stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
             completion_tokens=len(req.output_ids),
             reasoning_tokens=thinking.reasoning_tokens(req),
             error=error,

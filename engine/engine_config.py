@@ -25,6 +25,10 @@ class EngineConfig:
     host_cache_mib: int = 1024  # host memory for snapshots of paused requests
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
+    # prefix checkpoints (``cache/prefix.py``): a request's state kept where its prompt ends, so
+    # a later prompt that starts with it goes on from there; at most this many kept
+    prefix_cache: bool = True
+    prefix_checkpoints: int = 16
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     # launch the next decode step before reading this one's tokens (None = on CUDA, where the
     # device runs on while the host reads; on a CPU the launch is the computation itself)
@@ -44,6 +48,7 @@ class EngineConfig:
             ("host_cache_mib", self.host_cache_mib >= 0, "must be >= 0"),
             ("max_pending", self.max_pending >= 0, "must be >= 0"),
             ("pending_timeout_s", self.pending_timeout_s is None or self.pending_timeout_s > 0, "must be > 0"),
+            ("prefix_checkpoints", 0 <= self.prefix_checkpoints <= 1024, "must be between 0 and 1024"),
         ]
         for name, ok, why in checks:
             if not ok:

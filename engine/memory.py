@@ -34,19 +34,40 @@ def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return tokens * (8 * model.hidden_size + 3 * inter) * elt + config.max_concurrency * model.vocab_size * 4
 
 
-def plan_kv_pages(model: ModelConfig, config: EngineConfig) -> int:
+def _slot_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    if not model.is_hybrid:
+        return 0
+    n_gdn = sum(t == "linear_attention" for t in model.layer_types)
+    return StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype)
+
+
+def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:
+    """Tokens of KV that free memory holds beside the state slots (sequences' and checkpoints')."""
+    slots = (config.max_concurrency + checkpoints) * _slot_bytes(model, config)
+    budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
+    return min(budget // kv_bytes_per_token(model, config.dtype), config.max_concurrency * config.max_context)
+
+
+def prefix_checkpoints(model: ModelConfig, config: EngineConfig) -> int:
+    """How many prefix checkpoints to keep: ``config.prefix_checkpoints`` (0 with the prefix cache
+    off), halved while their state slots would leave the KV cache short of one ``max_context``
+    request (a hybrid model's checkpoint holds a slot of every GDN layer's state)."""
+    n = config.prefix_checkpoints if config.prefix_cache else 0
+    if config.kv_capacity is not None or kv_bytes_per_token(model, config.dtype) == 0 or not model.is_hybrid:
+        return n
+    while n and _kv_tokens(model, config, n) < config.max_context:
+        n //= 2
+    return n
+
+
+def plan_kv_pages(model: ModelConfig, config: EngineConfig, checkpoints: int = 0) -> int:
     page = config.page_size
     if config.kv_capacity is not None:
         return -(-config.kv_capacity // page)
     per_token = kv_bytes_per_token(model, config.dtype)
     if per_token == 0:  # no full-attention layers
         return 1
-    slots = 0
-    if model.is_hybrid:
-        n_gdn = sum(t == "linear_attention" for t in model.layer_types)
-        slots = config.max_concurrency * StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype)
-    budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
-    tokens = min(budget // per_token, config.max_concurrency * config.max_context)
+    tokens = _kv_tokens(model, config, checkpoints)
     if tokens < config.max_context:
         raise ValueError(
             f"free memory holds a KV cache of {max(tokens, 0)} tokens, less than max_context "

@@ -54,6 +54,9 @@ class Request:
     times_paused: int = 0
     thinking: Any = None  # ThinkingState (engine/thinking.py) when params.thinking is set
     admitted_time: float | None = None  # when the request was first admitted
+    # where a prefix checkpoint is taken once the tokens before it are computed (None: nowhere)
+    checkpoint_at: int | None = None
+    cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
 
     @property
     def all_ids(self) -> list[int]:

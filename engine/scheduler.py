@@ -79,6 +79,9 @@ class Scheduler:
                 break
             if req.status is Status.PREFILL:  # (not if paused above to make room)
                 n = min(req.num_uncomputed, self.config.prefill_chunk, budget)
+                mark = req.checkpoint_at
+                if mark is not None and req.num_computed < mark < req.num_computed + n:
+                    n = mark - req.num_computed  # the chunk ends where the checkpoint is taken
                 if self._reserve(req, req.num_computed + n, plan):
                     plan.append((req, n))
                     budget -= n
@@ -95,12 +98,17 @@ class Scheduler:
                 req.snapshot = None
                 self.stats.restored += 1
             else:
-                first = min(req.num_uncomputed, self.config.prefill_chunk)
+                start = self.caches.continuation(req.all_ids)  # a prefix checkpoint to go on from
+                done = 0 if start is None else start.length
+                first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
-                need = self.caches.pages_needed(None, first) + decoding
-                if self.caches.free_slots < 1 or (self.running and need > self.caches.free_pages):
+                need = self.caches.pages_needed(None, first) - done // self.caches.page_size + decoding
+                if self.caches.free_slots < 1 or (self.running and need > self.caches.room()):
                     return
-                req.cache = self.caches.open()
+                req.cache, req.num_computed = self.caches.open_from(start) if start else (self.caches.open(), 0)
+                done = req.num_computed
+                if req.status is Status.WAITING:
+                    req.cached_tokens = done
                 if req.status is Status.PAUSED:
                     self.stats.replay_restored += 1
             self.waiting.pop(0)

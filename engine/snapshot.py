@@ -32,6 +32,9 @@ class Gauges:
     state_slots_total: int = 0
     host_cache_bytes_used: int = 0
     host_cache_bytes_total: int = 0
+    prefix_checkpoints: int = 0  # kept now (each with a state slot of its own, on hybrid models)
+    prefix_checkpoints_max: int = 0
+    prefix_pages: int = 0  # KV pages the checkpoints hold (some shared with running requests)
 
 
 class Lane(NamedTuple):
@@ -77,6 +80,10 @@ def take_snapshot(engine) -> EngineSnapshot:
         g.state_slots_used = caches.states.num_used
     g.host_cache_bytes_used = caches.host_bytes_used
     g.host_cache_bytes_total = caches.host_cache_bytes
+    if caches.prefix is not None:
+        g.prefix_checkpoints = len(caches.prefix)
+        g.prefix_checkpoints_max = caches.prefix.max_entries
+        g.prefix_pages = len(caches.prefix.pages_held())
     lanes = [Lane(r.request_id, r.status is Status.PREFILL, len(r.prompt_ids), min(r.num_computed, len(r.prompt_ids)),
                   len(r.output_ids), r.params, r.arrival) for r in running]
     return EngineSnapshot(engine.counters, engine.scheduler.stats, g, lanes)

@@ -31,11 +31,14 @@ async def answer(request: Request, state: ServerState, prompt_ids: list[int], pa
                  frames: Callable[[RequestOutput, Outputs], AsyncIterator[str]],
                  whole: Callable[[Outputs], Awaitable[Any]],
                  keepalive: Callable[[], str] | None = None,
-                 omitted_tools: Sequence[str] = ()) -> StreamingResponse | JSONResponse:
+                 omitted_tools: Sequence[str] = (),
+                 checkpoint_at: int | None = None) -> StreamingResponse | JSONResponse:
     """``frames(admitted, outputs)`` gives the SSE frames of a streamed answer, ``whole(outputs)``
     the JSON body of a complete one; ``keepalive()`` the API's idle frame (default: a comment);
-    ``omitted_tools`` are named in a header."""
-    admitted, outputs = await cancel_on_disconnect(request, start(state, prompt_ids, params, request_id))
+    ``omitted_tools`` are named in a header; ``checkpoint_at``: where the conversation's turn ends
+    (a prefix checkpoint is kept there)."""
+    admitted, outputs = await cancel_on_disconnect(request, start(state, prompt_ids, params, request_id,
+                                                                  checkpoint_at))
     if stream:
         return name_omitted_tools(sse_response(frames(admitted, outputs), state.keepalive_s, keepalive),
                                   omitted_tools)

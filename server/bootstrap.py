@@ -146,6 +146,8 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         host_cache_mib=args.host_cache_mib,
         max_pending=args.max_pending_requests,
         pending_timeout_s=args.pending_timeout_ms / 1000.0 if args.pending_timeout_ms else None,
+        prefix_cache=args.prefix_cache,
+        prefix_checkpoints=args.prefix_checkpoints,
         device=device,
         dtype=dtype,
     )

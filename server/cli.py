@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="keep no prefix checkpoints: every prompt is computed from its first token")
+    p.add_argument("--prefix-checkpoints", type=int, default=16, metavar="N",
+                   help="prefix checkpoints kept (each where a request's conversation turn ended; a returning "
+                        "conversation goes on from its own); fewer where their GDN state would leave the KV "
+                        "cache short of --max-context (default 16)")
     p.add_argument("--tuned-config", default=None, metavar="FILE",
                    help="kernel launch choices (JSON, the form of engine/tuned/*.json) over those measured for "
                         "this GPU; python -m bench.gemv_tune and the other tuning tools print entries")

@@ -55,6 +55,7 @@ class Prepared:
     params: SamplingParams
     starts_in_reasoning: bool  # the prompt ends inside an open <think>
     tools: list[ToolSpec] = field(default_factory=list)  # functions the output may call
+    checkpoint_at: int | None = None  # where the conversation's turn ends (``turn_end``)
 
 
 def template_options(state: ServerState, kwargs: Mapping[str, Any] | None, typed: Mapping[str, Any],
@@ -128,16 +129,44 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: lis
     """The prompt text and ids of template messages from any API family, lowered here first.
     ``fit``: the prompt goes to the engine as it is, so one that cannot fit the context is refused
     before it is tokenized (``check_context_floor``)."""
+    text, ids, _ = rendered_prompt(state, messages, tools, options, param, fit)
+    return text, ids
+
+
+def rendered_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    options: Mapping[str, Any], param: str = "messages",
+                    fit: bool = False) -> tuple[str, list[int], int | None]:
+    """``render_prompt``, and where the conversation's turn ends in the ids (``turn_end``)."""
     guard = guard_for(state.tokenizer)
     guarded, literals = guard.protect(lower_content(lower_roles(messages)))
     try:
+        base = state.template.render(guarded, add_generation_prompt=False, tools=tools or None, **options)
         text = state.template.render(guarded, add_generation_prompt=True, tools=tools or None, **options)
     except TemplateError as exc:
         raise APIError(400, f"the conversation cannot be rendered: {exc}", param, "invalid_prompt") from exc
     if fit:  # the text outside the guard's markers alone is a floor for the prompt's tokens
         check_context_floor(state, state.tokenizer.min_tokens(literals.pattern.sub("", text) if literals else text),
                             param)
-    return guard.encode(text, literals)
+    text, ids = guard.encode(text, literals)
+    return text, ids, turn_end(state, text, ids, base, literals)
+
+
+def turn_end(state: ServerState, text: str, ids: list[int], base: str, literals) -> int | None:
+    """Where the conversation so far ends in ``ids`` (``base``: the prompt rendered without the
+    generation prompt, guard markers in it): before the generation prompt, the stable boundary of
+    a returning conversation (the next turn renders this turn's answer after it, and the template
+    may rewrite what the generation prompt opened, such as a reasoning block). None where the
+    generation prompt's own tokens do not end ``ids``."""
+    if literals:
+        base = literals.pattern.sub(lambda m: literals[int(m.group(1))], base)
+    if not text.startswith(base):
+        return None
+    if len(base) == len(text):  # the template adds no generation prompt
+        return len(ids)
+    tail = state.tokenizer.encode(text[len(base):])
+    if tail and len(tail) < len(ids) and ids[-len(tail):] == tail:
+        return len(ids) - len(tail)
+    return None
 
 
 def tools_left_out(state: ServerState, specs: Sequence[ToolSpec]) -> list[str]:
@@ -233,28 +262,29 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     """Render, tokenize and check one chat request; ``tools`` are rendered in the prompt,
     ``tool_specs`` are what the output parser may turn into calls."""
     sampling = sampling or Sampling()
-    text, ids = render_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
+    text, ids, end = rendered_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
     check_prompt(state, ids, prompt_param)
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
     starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
     params = sampling_params(state, sampling, control)
-    return Prepared(text, ids, params, starts, list(tool_specs))
+    return Prepared(text, ids, params, starts, list(tool_specs), end)
 
 
 async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-              request_id: str) -> AsyncIterator[RequestOutput]:
+              request_id: str, checkpoint_at: int | None = None) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, engine errors as HTTP errors."""
     try:
-        async for out in state.engine.generate(prompt_ids, params, request_id):
+        async for out in state.engine.generate(prompt_ids, params, request_id, checkpoint_at):
             yield out
     except EngineError as exc:
         raise engine_error(exc) from exc
 
 
-async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                request_id: str) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-    """Submit and wait for admission; return the admission output and the iterator of the rest."""
-    outputs = run(state, prompt_ids, params, request_id)
+async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                checkpoint_at: int | None = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """Submit and wait for admission; return the admission output and the iterator of the rest.
+    ``checkpoint_at``: where the engine keeps a prefix checkpoint (None: at the prompt's end)."""
+    outputs = run(state, prompt_ids, params, request_id, checkpoint_at)
     first = await anext(outputs)
     if not first.admitted:
         raise RuntimeError("engine published output before admission")

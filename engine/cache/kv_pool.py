@@ -2,7 +2,9 @@
 
 ``keys[a]`` / ``values[a]`` for attention layer ordinal ``a`` are ``[num_pages, page_size, Hkv, D]``.
 A sequence owns a list of page ids (its block table); token ``t`` lives at page ``table[t // P]``,
-row ``t % P``. Pages are handed out from a free list; nothing is allocated after startup.
+row ``t % P``. Pages are handed out from a free list; nothing is allocated after startup. A page
+may be held by several owners (a prefix checkpoint and the sequences that continue from it): it
+counts its holders and goes back to the free list when the last one releases it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class PagedKVPool:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._holders = [0] * num_pages
 
     @staticmethod
     def bytes_per_page(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -49,8 +52,28 @@ class PagedKVPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._holders[p] = 1
+        return pages
+
+    def holders(self, page: int) -> int:
+        return self._holders[page]
+
+    def share(self, pages: list[int]) -> list[int]:
+        """One more holder for each of ``pages`` (held already); returns them, as a new list."""
+        for p in pages:
+            self._holders[p] += 1
+        return list(pages)
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """Drop one hold on each of ``pages`` (the list is emptied); pages nobody holds are free."""
+        for p in reversed(pages):
+            self._holders[p] -= 1
+            if self._holders[p] == 0:
+                self._free.append(p)
         pages.clear()
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.keys[:, dst] = self.keys[:, src]
+        self.values[:, dst] = self.values[:, src]

@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig
 from .kv_pool import PagedKVPool
 from .paged import PagedSequenceCache
+from .prefix import Checkpoint, PrefixCache
 from .state_pool import StateSlotPool
 
 
@@ -31,14 +32,18 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
+                 checkpoints: int = 0) -> None:
+        """``num_slots`` state slots for sequences, and ``checkpoints`` more for prefix checkpoints
+        (at most that many are kept; ``prefix`` is None without any)."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
                               config.head_dim, dtype, device) if self.attn_ordinal else None
-        self.states = StateSlotPool(len(self.gdn_ordinal), num_slots, *state_shapes(config), dtype,
+        self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints, *state_shapes(config), dtype,
                                     device) if self.gdn_ordinal else None
+        self.prefix = PrefixCache(self.kv, self.states, checkpoints) if checkpoints else None
         self.host_cache_bytes = host_cache_bytes
         self.host_bytes_used = 0
         self.padding_page: int | None = None  # held for padded rows of captured decode graphs
@@ -63,9 +68,27 @@ class CacheManager:
         have = len(cache.pages) if cache is not None else 0
         return max(self.kv.pages_for(total_tokens) - have, 0)
 
+    def room(self) -> int:
+        """Pages a sequence can have: the free ones and those only checkpoints hold (evicted for it)."""
+        if self.kv is None:
+            return 1 << 30
+        if self.prefix is None:
+            return self.kv.num_free
+        holds: dict[int, int] = {}
+        for entry in self.prefix.entries:
+            for p in entry.pages:
+                holds[p] = holds.get(p, 0) + 1
+        return self.kv.num_free + sum(self.kv.holders(p) == n for p, n in holds.items())
+
     def idle(self) -> bool:
-        pages_ok = self.kv is None or self.kv.num_free == self.kv.num_pages - (self.padding_page is not None)
-        slots_ok = self.states is None or self.states.num_free == self.states.num_slots - (self.padding_slot is not None)
+        """Nothing is held but the padding and the prefix checkpoints (exactly)."""
+        kept = self.prefix.entries if self.prefix is not None else []
+        kept_pages = len({p for e in kept for p in e.pages})
+        kept_slots = sum(e.slot is not None for e in kept)
+        pages_ok = self.kv is None or \
+            self.kv.num_free == self.kv.num_pages - (self.padding_page is not None) - kept_pages
+        slots_ok = self.states is None or \
+            self.states.num_free == self.states.num_slots - (self.padding_slot is not None) - kept_slots
         return pages_ok and slots_ok and self.host_bytes_used == 0
 
     def reserve_padding(self) -> tuple[int, int]:
@@ -84,14 +107,52 @@ class CacheManager:
             cache.slot = self.states.acquire()
         return cache
 
+    def open_from(self, start: Checkpoint) -> tuple[PagedSequenceCache, int]:
+        """A cache for a sequence that continues from checkpoint ``start``, and the tokens it has
+        so: the checkpoint's whole pages shared, its partly filled last page copied (the sequence
+        writes past the checkpoint into it), its GDN states copied into the sequence's slot. A
+        fresh cache and 0 where no page is left for the copy."""
+        cache = self.open()
+        if self.kv is not None:
+            whole = start.length // self.kv.page_size
+            held = self.kv.share(start.pages)  # while room is made, the checkpoint may go
+            if start.length % self.kv.page_size:
+                if not self._make_room(1):
+                    self.kv.release(held)
+                    return cache, 0
+                page = self.kv.allocate(1)[0]
+                self.kv.copy_page(held[whole], page)
+                cache.pages = held[:whole] + [page]
+                self.kv.release(held[whole:])
+            else:
+                cache.pages = held
+        if start.slot is not None:
+            self.states.copy(start.slot, cache.slot)  # queued before the slot is handed on
+        return cache, start.length
+
     def reserve(self, cache: PagedSequenceCache, total_tokens: int) -> bool:
-        """Make room for ``total_tokens`` tokens; False (and nothing taken) when pages run out."""
+        """Make room for ``total_tokens`` tokens (dropping checkpoints as needed); False (and
+        nothing taken) when pages run out."""
         need = self.pages_needed(cache, total_tokens)
-        if need > self.free_pages:
+        if need > self.free_pages and not self._make_room(need):
             return False
         if need:
             cache.pages.extend(self.kv.allocate(need))
         return True
+
+    def _make_room(self, pages: int) -> bool:
+        """Drop least recently used checkpoints until ``pages`` pages are free; whether they are."""
+        while self.kv.num_free < pages and self.prefix is not None and self.prefix.evict_one():
+            pass
+        return self.kv.num_free >= pages
+
+    def checkpoint(self, cache: PagedSequenceCache, tokens: list[int]) -> bool:
+        """Keep the sequence's state after ``tokens`` (all computed) as a prefix checkpoint."""
+        return self.prefix is not None and self.prefix.add(tokens, cache.pages, cache.slot) is not None
+
+    def continuation(self, tokens: list[int]) -> Checkpoint | None:
+        """The longest checkpoint a sequence of ``tokens`` can continue from."""
+        return None if self.prefix is None else self.prefix.longest(tokens)
 
     def close(self, cache: PagedSequenceCache | None) -> None:
         if cache is None:

@@ -51,3 +51,8 @@ class StateSlotPool:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes slot ``src``'s conv and recurrent state (queued on the device)."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]

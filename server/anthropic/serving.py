@@ -15,7 +15,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser, ContentTe
 from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
-from ..generation import Sampling, check_prompt, render_prompt, sampling_params, thinking_control
+from ..generation import Sampling, check_prompt, rendered_prompt, sampling_params, thinking_control
 from ..openai_common import new_id
 from ..state import ServerState
 from ..streaming import sse_event
@@ -39,19 +39,24 @@ class Prompt:
     ids: list[int]
     applied: list[dict[str, Any]]  # context edits, as ``context_management.applied_edits`` reports them
     original_tokens: int  # before the edits
+    turn_end: int | None = None  # where the conversation's turn ends in ``ids`` (``generation.turn_end``)
 
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
     tools = [t.template for t in low.tools]
+    ends: list[int | None] = []  # of each rendering; the last one's is the prompt's
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text, ids = render_prompt(state, messages, tools, low.options)
+        text, ids, end = rendered_prompt(state, messages, tools, low.options)
         if low.prefill is not None:
             text += low.prefill
             ids = state.tokenizer.encode(text)
+        ends.append(end)
         return text, ids
 
-    return Prompt(*context_edits.apply(low.edits or [], low.messages, render))
+    prompt = Prompt(*context_edits.apply(low.edits or [], low.messages, render))
+    prompt.turn_end = ends[-1] if ends else None
+    return prompt
 
 
 def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, Any]:
@@ -81,6 +86,7 @@ class PreparedMessages:
                             max_tokens=req.max_tokens, stop=list(req.stop_sequences or []))
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
+        self.checkpoint_at = prompt.turn_end if prompt.turn_end and prompt.turn_end <= len(ids) else None
         self.tools = [t.spec for t in low.tools]
         self.stop_sequences = set(req.stop_sequences or [])
         self.max_context = state.max_context

@@ -100,6 +100,8 @@ class _EngineCollector:
         yield _gauge("ninfer_device_kv_used_pages", "KV cache pages in use", g.kv_pages_used)
         yield _gauge("ninfer_device_kv_capacity_pages", "KV cache pages in the pool", g.kv_pages_total)
         yield _gauge("ninfer_device_state_used_slots", "Recurrent-state slots in use", g.state_slots_used)
+        yield _gauge("ninfer_prefix_checkpoints", "Prefix checkpoints kept", g.prefix_checkpoints)
+        yield _gauge("ninfer_prefix_checkpoint_kv_pages", "KV cache pages the prefix checkpoints hold", g.prefix_pages)
         yield _gauge("ninfer_device_state_capacity_slots", "Recurrent-state slots in the pool", g.state_slots_total)
         yield _gauge("ninfer_host_context_used_bytes", "Host memory holding paused requests' state",
                      g.host_cache_bytes_used)

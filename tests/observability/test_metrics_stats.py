@@ -110,7 +110,9 @@ def test_stats_shape_and_agreement_with_metrics(client, served):
     assert stats["throughput"]["60s"]["decode_tps"] * 60 == pytest.approx(m["ninfer_generation_tokens_total"])
     assert stats["throughput"]["60s"]["prefill_tps"] * 60 == pytest.approx(m["ninfer_prefill_tokens_total"])
     assert stats["cache"] == {"prompt_tokens_total": m["ninfer_prompt_tokens_total"],
-                              "cached_tokens_total": m["ninfer_prompt_tokens_cached_total"]}
+                              "cached_tokens_total": m["ninfer_prompt_tokens_cached_total"],
+                              "checkpoints": m["ninfer_prefix_checkpoints"], "checkpoints_max": 0,
+                              "checkpoint_kv_pages": m["ninfer_prefix_checkpoint_kv_pages"]}  # scripted: off
     assert stats["requests"] == {"running": m["ninfer_requests_running"], "waiting": m["ninfer_requests_waiting"],
                                  "paused": m["ninfer_requests_paused"]}
     mem = stats["memory"]

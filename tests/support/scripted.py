@@ -9,6 +9,7 @@ script continues after its own ``</think>``.
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -37,7 +38,8 @@ class ScriptedLM(CausalLM):
         self.scripts = {k: tokenizer.encode(v) for k, v in scripts.items()}
         self.default = tokenizer.encode(default)
         self.eos_id = eos_id
-        self._chosen: dict[int, list] = {}  # id(cache) -> [prompt length, script ids, index shift]
+        # cache -> [prompt length, script ids, index shift, prompt text], for as long as the sequence's cache lives
+        self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # a </think> the engine forced in (thinking budget) resumes the script after its own </think>
         self.close_id = tokenizer.token_to_id("</think>")
         self.step_delay = 0.0  # seconds each forward takes, to hold requests open in tests
@@ -55,10 +57,15 @@ class ScriptedLM(CausalLM):
             time.sleep(self.step_delay)
         rows = []
         for (start, end), cache in zip(batch.slices, batch.caches):
-            if int(batch.positions[start]) == 0:  # the whole prompt arrives in one chunk in these tests
-                text = self.tokenizer.decode(input_ids[start:end].tolist())
-                self._chosen[id(cache)] = [end - start, self._choose(text), 0]
-            chosen = self._chosen[id(cache)]
+            first, text = int(batch.positions[start]), self.tokenizer.decode(input_ids[start:end].tolist())
+            if cache not in self._chosen:  # the prompt, or what a prefix checkpoint left of it (the
+                # script's key is then in the last turn); a chunk cut where a checkpoint is taken
+                # is followed by the rest of the prompt, which starts where it ended
+                self._chosen[cache] = [int(batch.positions[end - 1]) + 1, self._choose(text), 0, text]
+            elif first == self._chosen[cache][0] and end - start > 1:
+                text = self._chosen[cache][3] + text
+                self._chosen[cache] = [int(batch.positions[end - 1]) + 1, self._choose(text), 0, text]
+            chosen = self._chosen[cache]
             prompt_len, script = chosen[0], chosen[1]
             for pos, token in zip(batch.positions[start:end].tolist(), input_ids[start:end].tolist()):
                 at = pos - prompt_len + chosen[2]  # script index of the token fed at ``pos``
@@ -77,15 +84,20 @@ class ScriptedLM(CausalLM):
         return logits
 
 
-def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I help?", *cli_args: str):
-    """``(ServerState, EngineLoop)`` serving a ScriptedLM with the Qwen3.5 tokenizer and template."""
+def scripted_state(scripts: dict[str, str], default: str = "Hello! How can I help?", *cli_args: str,
+                   prefix_cache: bool = False):
+    """``(ServerState, EngineLoop)`` serving a ScriptedLM with the Qwen3.5 tokenizer and template.
+    The script is chosen from the prompt's text, so a request that goes on from a prefix
+    checkpoint (only the rest of its prompt runs) must carry its key in the new turn:
+    ``prefix_cache`` is off unless asked for."""
     from ninfer.server.bootstrap import assemble_state, engine_config
 
     tok = load_qwen_tiktoken("qwen3.6")
     eos = tok.token_to_id("<|im_end|>")
     model = ScriptedLM(tok, scripts, default, eos, vocab_size=248320)
     args = build_parser().parse_args(["--model-id", "scripted", "--prefill-chunk", "65536",
-                                      "--kv-capacity", "65536", *cli_args])
+                                      "--kv-capacity", "65536", *([] if prefix_cache else ["--no-prefix-cache"]),
+                                      *cli_args])
     ckpt = Checkpoint(config=model.config, weights=lambda: [], tokenizer=tok,
                       chat_template=builtin_template("qwen3_5"),
                       generation=GenerationDefaults(eos_token_ids=[eos]), source="scripted")

@@ -1,0 +1,149 @@
+"""Prefix checkpoints: a returning conversation goes on from where its last prompt ended, with the
+tokens it would get without them, for every model family; no minimum length, no page grid;
+shared pages copied where a continuation writes; checkpoints dropped when room is needed; pools
+exact after."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.engine.engine import LLMEngine
+from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.loader import load_checkpoint, load_model
+from ninfer.engine.request import Request
+from ninfer.engine.sampling_params import SamplingParams
+from support.tiny import save_tiny_llama, save_tiny_qwen3_5, save_tiny_qwen3_next
+
+BUILDERS = {
+    "llama": save_tiny_llama,
+    "qwen3_5": save_tiny_qwen3_5,
+    "qwen3_5_moe": lambda path: save_tiny_qwen3_5(path, moe=True),
+    "qwen3_next": save_tiny_qwen3_next,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def parts(request, tmp_path_factory):
+    ckpt = load_checkpoint(BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "ckpt"))
+    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+
+
+def engine(parts, **kw) -> LLMEngine:
+    model, tok = parts
+    return LLMEngine(model, tok, EngineConfig(**{"max_context": 512, "max_concurrency": 3, "kv_capacity": 1536,
+                                                 "prefill_chunk": 64, **kw}))
+
+
+def run(eng: LLMEngine, requests: list[Request]) -> dict[str, tuple[list[int], int]]:
+    """Each request's output ids and the cached tokens its admission reported."""
+    for r in requests:
+        eng.add_request(r)
+    out = {r.request_id: ([], None) for r in requests}
+    while eng.has_work:
+        for o in eng.step():
+            ids, cached = out[o.request_id]
+            out[o.request_id] = (ids + list(o.token_ids or []), o.cached_tokens if o.admitted else cached)
+    return out
+
+
+def req(name: str, ids: list[int], n: int = 8, **kw) -> Request:
+    return Request(name, list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                   max_total_tokens=320, **kw)
+
+
+def conversation(eng: LLMEngine, turns: int = 4) -> list[tuple[list[int], int]]:
+    """A conversation whose every prompt is the last one, its answer and a new turn of 5 tokens."""
+    ids, out = [5 + i % 80 for i in range(37)], []
+    for t in range(turns):
+        got, cached = run(eng, [req(f"t{t}", ids)])[f"t{t}"]
+        out.append((got, cached))
+        ids = ids + got + [9 + t, 10, 11, 12, 13]
+    return out
+
+
+def test_a_returning_conversation_goes_on_from_its_last_prompt(parts):
+    with_cache, without = engine(parts), engine(parts, prefix_cache=False)
+    turns, plain = conversation(with_cache), conversation(without)
+    assert [got for got, _ in turns] == [got for got, _ in plain]  # token-identical
+    lengths = [37]
+    for got, _ in turns[:-1]:
+        lengths.append(lengths[-1] + len(got) + 5)
+    assert [cached for _, cached in turns] == [0] + lengths[:-1]  # each turn: the whole previous prompt
+    assert [cached for _, cached in plain] == [0, 0, 0, 0]
+    assert with_cache.counters.cached_tokens == sum(lengths[:-1])
+    assert with_cache.caches.idle() and without.caches.idle()
+    with_cache.caches.prefix.clear()
+    kv = with_cache.caches.kv
+    assert kv is None or kv.num_free == kv.num_pages  # nothing leaked past the checkpoints
+    states = with_cache.caches.states
+    assert states is None or states.num_free == states.num_slots
+
+
+def test_a_short_prompt_that_extends_another_hits_off_the_page_grid(parts):
+    """37 tokens (two pages and 5 of 16), then a 40-token prompt that starts with them."""
+    eng = engine(parts)
+    first = [5 + i % 80 for i in range(37)]
+    run(eng, [req("a", first)])
+    got, cached = run(eng, [req("b", first + [7, 8, 9])])["b"]
+    assert cached == 37
+    alone = run(engine(parts, prefix_cache=False), [req("b", first + [7, 8, 9])])["b"][0]
+    assert got == alone
+    # a prompt that only shares part of it, or is the checkpoint itself, computes what it must
+    assert run(eng, [req("c", first[:30] + [1, 2])])["c"][1] == 0
+    assert run(eng, [req("d", first)])["d"][1] == 0  # its last token must run to give logits
+
+
+def test_continuations_of_one_checkpoint_side_by_side_write_their_own_pages(parts):
+    """Three requests continue from the same checkpoint at once: the partly filled page they share
+    is copied for each, so none sees another's tokens."""
+    eng = engine(parts)
+    base = [5 + i % 80 for i in range(37)]
+    run(eng, [req("base", base)])
+    tails = {f"r{i}": base + [20 + i] * (3 + i) for i in range(3)}
+    together = run(eng, [req(name, ids, 10) for name, ids in tails.items()])
+    assert all(cached == 37 for _, cached in together.values())
+    fresh = engine(parts, prefix_cache=False)
+    for name, ids in tails.items():
+        assert together[name][0] == run(fresh, [req(name, ids, 10)])[name][0]
+    assert eng.caches.idle()
+
+
+def test_checkpoints_give_way_when_room_is_needed(parts):
+    """A pool of 20 pages and at most two checkpoints: old ones are dropped (least recently used
+    first) for new checkpoints and for running requests' pages; nothing fails, nothing leaks."""
+    small = {"kv_capacity": 320, "max_context": 320, "max_concurrency": 2}
+    eng = engine(parts, **small, prefix_checkpoints=2)
+    fresh = engine(parts, **small, prefix_cache=False)
+    prompts = {f"p{i}": [3 + (7 * i + j) % 90 for j in range(60 + 10 * i)] for i in range(5)}
+    for name, ids in prompts.items():
+        assert run(eng, [req(name, ids, 20)])[name][0] == run(fresh, [req(name, ids, 20)])[name][0]
+        assert len(eng.caches.prefix) <= 2
+    newest = prompts["p4"] + [1]
+    assert run(eng, [req("again", newest)])["again"][1] == len(prompts["p4"])  # the newest one is kept
+    long = [4 + j % 70 for j in range(300)]  # 19 of the 20 pages: every checkpoint must go
+    assert run(eng, [req("long", long, 10)])["long"][0] == run(fresh, [req("long", long, 10)])["long"][0]
+    assert eng.caches.idle()
+
+
+def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):
+    """``checkpoint_at``: the server puts it before the generation prompt; a request resent with
+    the turn after it goes on from there, and a position outside the prompt is refused."""
+    eng = engine(parts)
+    turn = [5 + i % 80 for i in range(40)]
+    run(eng, [req("a", turn + [1, 2, 3], checkpoint_at=len(turn))])
+    assert run(eng, [req("b", turn + [4, 4, 4, 4])])["b"][1] == len(turn)
+    with pytest.raises(ValueError, match="checkpoint_at 50 is outside the prompt's 43 tokens"):
+        eng.add_request(req("c", turn + [1, 2, 3], checkpoint_at=50))
+
+
+def test_a_cancelled_turn_leaves_the_checkpoint_it_went_on_from(parts):
+    eng = engine(parts)
+    base = [5 + i % 80 for i in range(37)]
+    run(eng, [req("a", base)])
+    eng.add_request(req("b", base + [1, 2, 3], 50))
+    for _ in range(4):
+        eng.step()
+    assert eng.abort("b").finished
+    got, cached = run(eng, [req("c", base + [1, 2, 3])])["c"]
+    assert cached == 37 and got == run(engine(parts, prefix_cache=False), [req("c", base + [1, 2, 3])])["c"][0]
+    assert eng.caches.idle()
