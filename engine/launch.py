@@ -1,12 +1,13 @@
 """The GPU kernels' launch choices: one settings object, read at start from data files.
 
-``LaunchSettings``' own values fit any CUDA GPU the engine supports (tiles within the shared
-memory of a consumer card); ``tuned/<gpu>.json`` (``nvidia-h200.json``: the name
+``LaunchSettings``' own values are meant for any CUDA GPU the engine supports (tiles sized to
+fit a consumer card's shared memory by count, not yet timed on one); ``tuned/<gpu>.json`` (``nvidia-h200.json``: the name
 ``torch.cuda.get_device_name`` gives, lower case, spaces as dashes; the longest file name that
 starts it wins) holds what was measured on that GPU, and a file given with ``--tuned-config``
 goes over both. A file sets some of the fields (tables merge entry by entry; keys of ints joined
-by commas); its ``about`` entry says how they were measured. Tuning tools (``bench.gemv_tune``, ``bench.attention_tune``,
-``bench.moe_tune``, ``bench.prefill_attention --sweep``) print entries in this form.
+by commas); its ``about`` entry says how they were measured. ``bench.gemv_tune`` prints its
+entries in this form; ``bench.attention_tune``, ``bench.moe_tune`` and ``bench.prefill_attention
+--sweep`` print the tiles they time.
 
 The kernels read the settings in force (``current()``) at each launch: the server installs them
 once in the engine's process (``use``), before the warm-up and graph capture; benchmarks install

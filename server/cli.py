@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache short of --max-context (default 16)")
     p.add_argument("--tuned-config", default=None, metavar="FILE",
                    help="kernel launch choices (JSON, the form of engine/tuned/*.json) over those measured for "
-                        "this GPU; python -m bench.gemv_tune and the other tuning tools print entries")
+                        "this GPU; python -m bench.gemv_tune prints entries in that form")
     p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                    help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
     p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")
