@@ -83,7 +83,7 @@ class CacheManager:
     def idle(self) -> bool:
         """Nothing is held but the padding and the prefix checkpoints (exactly)."""
         kept = self.prefix.entries if self.prefix is not None else []
-        kept_pages = len({p for e in kept for p in e.pages})
+        kept_pages = len(self.prefix.pages_held()) if self.prefix is not None else 0
         kept_slots = sum(e.slot is not None for e in kept)
         pages_ok = self.kv is None or \
             self.kv.num_free == self.kv.num_pages - (self.padding_page is not None) - kept_pages

@@ -81,18 +81,19 @@ class PrefixCache:
                 return entry
         return None
 
-    def holds(self, tokens: list[int]) -> bool:
-        key = key_of(tokens, len(tokens), self.page_size, chain(tokens, self.page_size, len(tokens)))
-        entry = self._entries.get(key)
-        return entry is not None and entry.tokens == tokens
-
     # ------------------------------------------------------------------ taking and dropping
     def add(self, tokens: list[int], pages: list[int], slot: int | None) -> Checkpoint | None:
         """Keep a checkpoint of ``tokens`` whose state is in ``slot`` (a request's) and whose KV
         is in ``pages``: the pages are shared, the state copied into a slot of the checkpoint's
         own. None (nothing kept) when it is held already or no slot can be had."""
-        if not tokens or self.max_entries < 1 or self.holds(tokens):
+        if not tokens or self.max_entries < 1:
             return None
+        key = key_of(tokens, len(tokens), self.page_size, chain(tokens, self.page_size, len(tokens)))
+        existing = self._entries.get(key)
+        if existing is not None:
+            if existing.tokens == tokens:
+                return None
+            self._drop(key, existing)  # other ids under the same hash: the newer one stays
         own = None
         if self.states is not None:
             if len(self._entries) >= self.max_entries or self.states.num_free == 0:
@@ -104,7 +105,7 @@ class PrefixCache:
             self.evict_one()
         held = [] if self.kv is None else self.kv.share(pages[: -(-len(tokens) // self.page_size)])
         entry = Checkpoint(list(tokens), held, own)
-        self._entries[self._key(entry)] = entry
+        self._entries[key] = entry
         self._lengths[entry.length] = self._lengths.get(entry.length, 0) + 1
         return entry
 
@@ -129,6 +130,3 @@ class PrefixCache:
             self.kv.release(entry.pages)
         if entry.slot is not None:
             self.states.release(entry.slot)
-
-    def _key(self, entry: Checkpoint) -> int:
-        return key_of(entry.tokens, entry.length, self.page_size, chain(entry.tokens, self.page_size, entry.length))

@@ -147,3 +147,19 @@ def test_a_cancelled_turn_leaves_the_checkpoint_it_went_on_from(parts):
     got, cached = run(eng, [req("c", base + [1, 2, 3])])["c"]
     assert cached == 37 and got == run(engine(parts, prefix_cache=False), [req("c", base + [1, 2, 3])])["c"][0]
     assert eng.caches.idle()
+
+
+def test_ids_that_share_a_key_replace_the_older_checkpoint_without_leaking(parts, monkeypatch):
+    """Every key the same (as if two prefixes' hashes collided): the ids tell them apart, the
+    newer checkpoint takes the key, and the older one's pages and slot go back."""
+    from ninfer.engine.cache import prefix
+
+    monkeypatch.setattr(prefix, "key_of", lambda *args: 0)
+    eng = engine(parts)
+    a, b = [5 + i % 80 for i in range(37)], [6 + i % 70 for i in range(50)]
+    run(eng, [req("a", a)])
+    run(eng, [req("b", b)])
+    assert [e.tokens for e in eng.caches.prefix.entries] == [b] and eng.caches.idle()
+    assert run(eng, [req("a2", a + [1])])["a2"][1] == 0  # its checkpoint is gone, not mistaken for b's
+    eng.caches.prefix.clear()
+    assert eng.caches.kv.num_free == eng.caches.kv.num_pages
