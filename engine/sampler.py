@@ -210,7 +210,10 @@ class Sampler:
 
     def penalized(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """fp32 logits ``[n, V]`` with each request's penalties (rows without any unchanged)."""
-        logits = logits.float().clone()
+        return self._penalize_(logits.float().clone(), reqs)
+
+    def _penalize_(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """``penalized`` in place on fp32 ``logits``."""
         rows = [i for i, r in enumerate(reqs) if uses_history(r.params)]
         if rows:
             at = _on(self.device, rows, torch.long)
@@ -228,7 +231,7 @@ class Sampler:
             return greedy
         reqs = [reqs[i] for i in rows]
         at = _on(self.device, rows, torch.long)
-        x = torch.nan_to_num(self.penalized(logits[at], reqs), nan=float("-inf"))
+        x = self._penalize_(logits[at].float(), reqs).nan_to_num_(nan=float("-inf"))  # logits[at] is a copy
         chosen = torch.argmax(x, dim=-1)  # right for the greedy rows with penalties
         for ranked in (True, False):
             group = [i for i, r in enumerate(reqs) if not r.params.greedy and _ranked(r.params, x.shape[-1]) == ranked]
