@@ -129,18 +129,26 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: lis
     """The prompt text and ids of template messages from any API family, lowered here first.
     ``fit``: the prompt goes to the engine as it is, so one that cannot fit the context is refused
     before it is tokenized (``check_context_floor``)."""
-    text, ids, _ = rendered_prompt(state, messages, tools, options, param, fit)
+    text, ids, _ = _prompt(state, messages, tools, options, param, fit, with_turn_end=False)
     return text, ids
 
 
 def rendered_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     options: Mapping[str, Any], param: str = "messages",
                     fit: bool = False) -> tuple[str, list[int], int | None]:
-    """``render_prompt``, and where the conversation's turn ends in the ids (``turn_end``)."""
+    """``render_prompt``, and where the conversation's turn ends in the ids (``turn_end``): for a
+    prompt that goes to the engine, which keeps a prefix checkpoint there."""
+    return _prompt(state, messages, tools, options, param, fit, with_turn_end=True)
+
+
+def _prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            options: Mapping[str, Any], param: str, fit: bool,
+            with_turn_end: bool) -> tuple[str, list[int], int | None]:
     guard = guard_for(state.tokenizer)
     guarded, literals = guard.protect(lower_content(lower_roles(messages)))
-    try:
-        base = state.template.render(guarded, add_generation_prompt=False, tools=tools or None, **options)
+    try:  # without the generation prompt first (only to find the turn's end; a counted prompt needs none)
+        base = state.template.render(guarded, add_generation_prompt=False, tools=tools or None,
+                                     **options) if with_turn_end else None
         text = state.template.render(guarded, add_generation_prompt=True, tools=tools or None, **options)
     except TemplateError as exc:
         raise APIError(400, f"the conversation cannot be rendered: {exc}", param, "invalid_prompt") from exc
@@ -148,7 +156,7 @@ def rendered_prompt(state: ServerState, messages: list[dict[str, Any]], tools: l
         check_context_floor(state, state.tokenizer.min_tokens(literals.pattern.sub("", text) if literals else text),
                             param)
     text, ids = guard.encode(text, literals)
-    return text, ids, turn_end(state, text, ids, base, literals)
+    return text, ids, None if base is None else turn_end(state, text, ids, base, literals)
 
 
 def turn_end(state: ServerState, text: str, ids: list[int], base: str, literals) -> int | None:
