@@ -117,11 +117,11 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        checkpoint_at: int | None = None,
+        checkpoints: list[int] | None = None, checkpoint_answer: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request. Outputs that
-        pile up while the caller is busy come as one (``_Stream``). ``checkpoint_at``: where a
-        prefix checkpoint is kept (``Request.checkpoint_at``)."""
+        pile up while the caller is busy come as one (``_Stream``). ``checkpoints``,
+        ``checkpoint_answer``: where prefix checkpoints are kept (``Request``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
@@ -137,7 +137,8 @@ class AsyncEngine:
             params=params,
             max_total_tokens=self.config.max_context,
             eos_ids=self.eos_ids,
-            checkpoint_at=checkpoint_at,
+            checkpoints=checkpoints,
+            checkpoint_answer=checkpoint_answer,
         )
 
         def sink(out: RequestOutput) -> None:

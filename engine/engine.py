@@ -84,6 +84,7 @@ class LLMEngine:
             self.step()
         if self.caches.prefix is not None:
             self.caches.prefix.clear()  # the warm-up's prompts are nobody's conversation
+            self.caches.prefix.hits_gpu = self.caches.prefix.hits_host = 0
         self.scheduler.stats = type(self.scheduler.stats)()
         self.counters = EngineCounters()  # the warm-up is not the server's work
 
@@ -101,13 +102,14 @@ class LLMEngine:
             raise ValueError(f"prompt token at {bad} is out of range [0, {limit})")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.checkpoint_at is not None and not 0 < request.checkpoint_at <= len(request.prompt_ids):
-            raise ValueError(f"checkpoint_at {request.checkpoint_at} is outside the prompt's "
-                             f"{len(request.prompt_ids)} tokens")
+        marks = request.checkpoints
+        if marks is not None and any(not 0 < m <= len(ids) for m in marks):
+            bad = next(m for m in marks if not 0 < m <= len(ids))
+            raise ValueError(f"checkpoint position {bad} is outside the prompt's {len(ids)} tokens")
         if self.caches.prefix is None:
-            request.checkpoint_at = None  # no checkpoints: no chunk is cut for one
-        elif request.checkpoint_at is None:
-            request.checkpoint_at = len(request.prompt_ids)  # a prompt resent longer goes on from here
+            request.checkpoints, request.checkpoint_answer = [], False  # no chunk is cut for one
+        else:  # a prompt resent longer goes on from its end
+            request.checkpoints = sorted(set(marks)) if marks is not None else [len(ids)]
         request.generator = make_generator(request.params, self.device)
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
@@ -158,11 +160,24 @@ class LLMEngine:
         return outputs + self._postprocess([r for r, _ in ready], [t for _, t in ready])
 
     def _checkpoint(self, plan: list[tuple[Request, int]]) -> None:
-        """Keep a prefix checkpoint for each request whose computed tokens just reached its
-        ``checkpoint_at`` (the copies are queued behind the step that computed them)."""
+        """Keep a prefix checkpoint for each request whose computed tokens just reached one of its
+        ``checkpoints`` or a progress anchor (the copies are queued behind the step that computed
+        them). A request keeps only its newest anchor: each one, and its prompt's checkpoints, make
+        the one before it useless."""
+        every = self.config.progress_anchor
         for req, _ in plan:
-            if req.checkpoint_at is not None and req.num_computed == req.checkpoint_at:
-                self.caches.checkpoint(req.cache, req.all_ids[: req.checkpoint_at])
+            at = req.num_computed
+            if at in req.checkpoints:
+                kept = self.caches.checkpoint(req.cache, req.all_ids[:at])
+                if kept is not None:
+                    self.caches.drop(req.anchor)
+                    req.anchor = None
+            elif every and at % every == 0 and at < len(req.prompt_ids) and self.caches.prefix is not None:
+                kept = self.caches.checkpoint(req.cache, req.all_ids[:at])
+                if kept is not None:
+                    kept.anchor = True
+                    self.caches.drop(req.anchor)
+                    req.anchor = kept
 
     def _launch_ahead(self, launched: Launched) -> Launched | None:
         """Launch the decode step that follows ``launched`` before its tokens are read, so the GPU
@@ -255,6 +270,13 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str,
                 error: str | None = None) -> RequestOutput:
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.cache is not None:
+            if req.checkpoint_answer and req.output_ids and req.num_computed > len(req.prompt_ids):
+                # where the answer ends (all but its last token computed, or all when a step
+                # launched ahead ran it): queued behind every step that wrote this sequence
+                self.caches.checkpoint(req.cache, req.all_ids[: req.num_computed])
+            self.caches.drop(req.anchor)  # its prompt is done: nobody resumes from part of it
+            req.anchor = None
         self.scheduler.remove(req)
         self.runner.sampler.release(req)
         req.finish(reason, stop_reason)
@@ -271,6 +293,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens,
+            reuse=req.reuse,
             completion_tokens=len(req.output_ids),
             reasoning_tokens=thinking.reasoning_tokens(req),
             error=error,

@@ -22,13 +22,16 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_capacity: int | None = None  # tokens in the KV pool; None = sized from free memory
     page_size: int = 16  # tokens per KV page
-    host_cache_mib: int = 1024  # host memory for snapshots of paused requests
+    host_cache_mib: int = 1024  # host memory for paused requests' snapshots and prefix checkpoints off the device
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
     # prefix checkpoints (``cache/prefix.py``): a request's state kept where its prompt ends, so
     # a later prompt that starts with it goes on from there; at most this many kept
     prefix_cache: bool = True
     prefix_checkpoints: int = 16
+    # a long prefill keeps a checkpoint every this many prompt tokens (the newest only), so a
+    # prompt cancelled part-way and sent again goes on from the last one (0 = none)
+    progress_anchor: int = 16384
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     # launch the next decode step before reading this one's tokens (None = on CUDA, where the
     # device runs on while the host reads; on a CPU the launch is the computation itself)
@@ -49,6 +52,7 @@ class EngineConfig:
             ("max_pending", self.max_pending >= 0, "must be >= 0"),
             ("pending_timeout_s", self.pending_timeout_s is None or self.pending_timeout_s > 0, "must be > 0"),
             ("prefix_checkpoints", 0 <= self.prefix_checkpoints <= 1024, "must be between 0 and 1024"),
+            ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
         ]
         for name, ok, why in checks:
             if not ok:

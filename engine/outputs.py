@@ -16,6 +16,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reuse: dict[str, str] | None = None  # where the cached tokens came from (``Request.reuse``), final output
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # output tokens committed inside the reasoning block (cumulative)
     error: str | None = None

@@ -54,9 +54,19 @@ class Request:
     times_paused: int = 0
     thinking: Any = None  # ThinkingState (engine/thinking.py) when params.thinking is set
     admitted_time: float | None = None  # when the request was first admitted
-    # where a prefix checkpoint is taken once the tokens before it are computed (None: nowhere)
-    checkpoint_at: int | None = None
+    # prompt positions where a prefix checkpoint is taken once the tokens before them are
+    # computed, ascending (None: where the prompt ends; the engine sets it, empty without a cache)
+    checkpoints: list[int] | None = None
+    # another one where the answer ends, when the request finishes (a stop or its length): the
+    # next turn of a conversation whose template renders the answer as it was generated goes on
+    # from there
+    checkpoint_answer: bool = True
+    anchor: Any = None  # the newest progress anchor (a Checkpoint) of a long prefill, replaced as it goes
+    # (request, length): the running request whose prompt starts with this one's first ``length``
+    # tokens, which this one waits for to compute them once for both (False: none was found)
+    shares: Any = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
+    reuse: dict[str, str] | None = None  # that checkpoint's tier ("gpu" | "host") and kind ("turn" | "anchor")
 
     @property
     def all_ids(self) -> list[int]:

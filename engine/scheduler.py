@@ -78,19 +78,37 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.status is Status.PREFILL:  # (not if paused above to make room)
-                n = min(req.num_uncomputed, self.config.prefill_chunk, budget)
-                mark = req.checkpoint_at
-                if mark is not None and req.num_computed < mark < req.num_computed + n:
-                    n = mark - req.num_computed  # the chunk ends where the checkpoint is taken
+                n = self._cut(req, min(req.num_uncomputed, self.config.prefill_chunk, budget))
                 if self._reserve(req, req.num_computed + n, plan):
                     plan.append((req, n))
                     budget -= n
         return plan
 
+    def _cut(self, req: Request, n: int) -> int:
+        """``n`` prompt tokens of ``req``, or fewer so that the chunk ends where the next of its
+        checkpoints, or of its progress anchors, is taken."""
+        start = req.num_computed
+        for mark in req.checkpoints or ():
+            if start < mark < start + n:
+                n = mark - start
+                break
+        every = self.config.progress_anchor
+        if every and self.caches.prefix is not None:
+            anchor = (start // every + 1) * every
+            if anchor < min(start + n, len(req.prompt_ids)):
+                n = anchor - start
+        return n
+
     def _admit(self) -> None:
+        """Admit waiting requests in order while there is room; one that waits for a prompt prefix
+        another request is computing (``_waits_for_prefix``) lets those behind it go first."""
         self.admitted = []
-        while self.waiting and len(self.running) < self.config.max_concurrency:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.config.max_concurrency:
+            req = self.waiting[i]
+            if req.status is Status.WAITING and self._waits_for_prefix(req):
+                i += 1
+                continue
             if req.snapshot is not None:
                 if not self.caches.can_restore(req.snapshot):
                     return
@@ -102,20 +120,55 @@ class Scheduler:
                 done = 0 if start is None else start.length
                 first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
-                need = self.caches.pages_needed(None, first) - done // self.caches.page_size + decoding
+                need = self.caches.pages_needed(None, first) - (self.caches.shared_pages(start) if start else 0) + decoding
                 if self.caches.free_slots < 1 or (self.running and need > self.caches.room()):
                     return
+                tier = "host" if start is not None and start.host is not None else "gpu"
                 req.cache, req.num_computed = self.caches.open_from(start) if start else (self.caches.open(), 0)
                 done = req.num_computed
+                if done and start.anchor:  # a prefill resumed: its anchor is this request's now
+                    req.anchor = start
                 if req.status is Status.WAITING:
                     req.cached_tokens = done
+                    req.reuse = {"tier": tier, "kind": "anchor" if start.anchor else "turn"} if done else None
                 if req.status is Status.PAUSED:
                     self.stats.replay_restored += 1
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if req.status is Status.WAITING:
                 self.admitted.append(req)
             req.status = Status.DECODE if req.decode_ready else Status.PREFILL
             bisect.insort(self.running, req, key=lambda r: r.seq_no)
+
+    # the shortest shared prompt prefix worth a wait: below it, computing it twice costs less
+    # than a step of waiting
+    SHARED_PREFIX_MIN = 256
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether ``req`` waits for a running request that is computing the start of its prompt
+        (an orchestrator's subagents sent together with one long system prompt): the first time
+        it is asked, the running prompt that shares the longest prefix with it (at least
+        ``SHARED_PREFIX_MIN`` tokens, not yet computed that far) gets a checkpoint there, and
+        ``req`` waits until it is taken, then goes on from it."""
+        if req.shares is None:
+            req.shares = False
+            if self.caches.prefix is not None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
+                best = 0
+                for other in self.running:
+                    if other.status is Status.PREFILL:
+                        n = min(common_prefix(req.prompt_ids, other.prompt_ids), len(req.prompt_ids) - 1)
+                        if n >= self.SHARED_PREFIX_MIN and n > best and other.num_computed < n:
+                            best, req.shares = n, (other, n)
+                if req.shares:
+                    other, n = req.shares
+                    if n not in other.checkpoints:
+                        bisect.insort(other.checkpoints, n)
+        if not req.shares:
+            return False
+        other, n = req.shares
+        if other.status is Status.PREFILL and other.num_computed < n and any(r is other for r in self.running):
+            return True
+        req.shares = False  # computed (or the other gone): admitted as any other
+        return False
 
     def _reserve(self, req: Request, total: int, plan: list[tuple[Request, int]]) -> bool:
         """Pages for ``total`` tokens of ``req``, pausing the youngest requests until they fit."""
@@ -143,3 +196,18 @@ class Scheduler:
         req.status = Status.PAUSED
         req.times_paused += 1
         self.add(req)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike (slices compared in C, bisected)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .cancellation import cancel_on_disconnect
-from .generation import start
+from .generation import Keep, start
 from .state import ServerState
 from .streaming import sse_response
 
@@ -32,13 +32,11 @@ async def answer(request: Request, state: ServerState, prompt_ids: list[int], pa
                  whole: Callable[[Outputs], Awaitable[Any]],
                  keepalive: Callable[[], str] | None = None,
                  omitted_tools: Sequence[str] = (),
-                 checkpoint_at: int | None = None) -> StreamingResponse | JSONResponse:
+                 keep: Keep = Keep()) -> StreamingResponse | JSONResponse:
     """``frames(admitted, outputs)`` gives the SSE frames of a streamed answer, ``whole(outputs)``
     the JSON body of a complete one; ``keepalive()`` the API's idle frame (default: a comment);
-    ``omitted_tools`` are named in a header; ``checkpoint_at``: where the conversation's turn ends
-    (a prefix checkpoint is kept there)."""
-    admitted, outputs = await cancel_on_disconnect(request, start(state, prompt_ids, params, request_id,
-                                                                  checkpoint_at))
+    ``omitted_tools`` are named in a header; ``keep``: where prefix checkpoints are kept."""
+    admitted, outputs = await cancel_on_disconnect(request, start(state, prompt_ids, params, request_id, keep))
     if stream:
         return name_omitted_tools(sse_response(frames(admitted, outputs), state.keepalive_s, keepalive),
                                   omitted_tools)

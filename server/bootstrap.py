@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -143,14 +144,30 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         max_batched_tokens=args.max_batched_tokens,
         kv_capacity=None if args.kv_capacity == "auto" else int(args.kv_capacity),
         page_size=args.kv_page_size,
-        host_cache_mib=args.host_cache_mib,
+        host_cache_mib=host_cache_mib(args.host_cache_mib, device),
         max_pending=args.max_pending_requests,
         pending_timeout_s=args.pending_timeout_ms / 1000.0 if args.pending_timeout_ms else None,
         prefix_cache=args.prefix_cache,
         prefix_checkpoints=args.prefix_checkpoints,
+        progress_anchor=args.progress_anchor,
         device=device,
         dtype=dtype,
     )
+
+
+def host_cache_mib(value: str, device: str) -> int:
+    """``--host-cache-mib``: a number, or for 'auto' on a GPU 22 GiB, or 45% of the machine's RAM
+    when that is less (what is not used is not taken); 1024 on a CPU, whose KV pool is host memory
+    already (only paused requests' snapshots)."""
+    if value != "auto":
+        return int(value)
+    if not str(device).startswith("cuda"):
+        return 1024
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1024
+    return min(22 << 10, int(ram * 0.45) >> 20)
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineConfig]:

@@ -49,14 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix checkpoints kept (each where a request's conversation turn ended; a returning "
                         "conversation goes on from its own); fewer where their GDN state would leave the KV "
                         "cache short of --max-context (default 16)")
+    p.add_argument("--progress-anchor", type=int, default=16384, metavar="N",
+                   help="a long prompt keeps a checkpoint every N tokens as it is computed (the newest only), "
+                        "so one cancelled part-way and sent again goes on from there (0: none; default 16384)")
     p.add_argument("--tuned-config", default=None, metavar="FILE",
                    help="kernel launch choices (JSON, the form of engine/tuned/*.json) over those measured for "
                         "this GPU; python -m bench.gemv_tune prints entries in that form")
     p.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                    help="tokens in the shared KV cache pool, or 'auto' to size it from free memory")
     p.add_argument("--kv-page-size", type=int, default=16, help="tokens per KV cache page")
-    p.add_argument("--host-cache-mib", type=int, default=1024,
-                   help="host memory for paused requests' state (0: drop it and recompute on resume)")
+    p.add_argument("--host-cache-mib", default="auto", type=_host_cache,
+                   help="host memory for prefix checkpoints moved off the GPU and for paused requests' state "
+                        "(0: none; a paused request is recomputed on resume); 'auto': on a GPU 22 GiB, or 45%% "
+                        "of RAM when that is less, else 1024")
     p.add_argument("--max-pending-requests", type=int, default=64,
                    help="requests that may wait beyond --max-concurrency before new ones get HTTP 429")
     p.add_argument("--pending-timeout-ms", type=int, default=0,
@@ -99,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log-jsonl", default=None, metavar="FILE",
                    help="append one JSON record per server/request event to FILE (no prompt or output text)")
     return p
+
+
+def _host_cache(value: str) -> str:
+    if value != "auto" and not value.isdigit():
+        raise argparse.ArgumentTypeError("must be a number of MiB or 'auto'")
+    return value
 
 
 def _kv_capacity(value: str) -> str:

@@ -48,6 +48,20 @@ class Sampling:
     stop: Sequence[str] = ()
 
 
+@dataclass(frozen=True)
+class Keep:
+    """Where the engine keeps prefix checkpoints for one request: at the prompt positions ``at``
+    (None: where the prompt ends) and, with ``answer``, where the answer ends."""
+    at: tuple[int, ...] | None = None
+    answer: bool = True
+
+
+def keep_for(state: ServerState, turn_end: int | None, options: Mapping[str, Any]) -> Keep:
+    """Checkpoints of a chat prompt: where its turn ends (``turn_end``), and where the answer
+    ends when the template renders answers back as they were written."""
+    return Keep(None if turn_end is None else (turn_end,), state.template.renders_answer_back(**options))
+
+
 @dataclass
 class Prepared:
     prompt_text: str
@@ -55,7 +69,7 @@ class Prepared:
     params: SamplingParams
     starts_in_reasoning: bool  # the prompt ends inside an open <think>
     tools: list[ToolSpec] = field(default_factory=list)  # functions the output may call
-    checkpoint_at: int | None = None  # where the conversation's turn ends (``turn_end``)
+    keep: Keep = Keep()  # where prefix checkpoints are kept
 
 
 def template_options(state: ServerState, kwargs: Mapping[str, Any] | None, typed: Mapping[str, Any],
@@ -275,24 +289,25 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
     starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
     params = sampling_params(state, sampling, control)
-    return Prepared(text, ids, params, starts, list(tool_specs), end)
+    return Prepared(text, ids, params, starts, list(tool_specs), keep_for(state, end, options or {}))
 
 
 async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-              request_id: str, checkpoint_at: int | None = None) -> AsyncIterator[RequestOutput]:
+              request_id: str, keep: Keep = Keep()) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, engine errors as HTTP errors."""
+    at = None if keep.at is None else list(keep.at)
     try:
-        async for out in state.engine.generate(prompt_ids, params, request_id, checkpoint_at):
+        async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer):
             yield out
     except EngineError as exc:
         raise engine_error(exc) from exc
 
 
 async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                checkpoint_at: int | None = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+                keep: Keep = Keep()) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Submit and wait for admission; return the admission output and the iterator of the rest.
-    ``checkpoint_at``: where the engine keeps a prefix checkpoint (None: at the prompt's end)."""
-    outputs = run(state, prompt_ids, params, request_id, checkpoint_at)
+    ``keep``: where the engine keeps prefix checkpoints."""
+    outputs = run(state, prompt_ids, params, request_id, keep)
     first = await anext(outputs)
     if not first.admitted:
         raise RuntimeError("engine published output before admission")

@@ -3,6 +3,9 @@
 Accounting is exact: after every request has finished or been cancelled, ``idle()`` holds.
 Pausing a sequence either snapshots its pages and slot to host memory (within
 ``host_cache_bytes``) or drops them, in which case the engine rebuilds it by replaying tokens.
+The same host budget holds prefix checkpoints evicted from the device (``prefix.py``), counted
+apart (``host_checkpoint_bytes``): snapshots come first, and take the room of host checkpoints
+(least recently used first) when they need it.
 """
 from __future__ import annotations
 
@@ -43,9 +46,10 @@ class CacheManager:
                               config.head_dim, dtype, device) if self.attn_ordinal else None
         self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints, *state_shapes(config), dtype,
                                     device) if self.gdn_ordinal else None
-        self.prefix = PrefixCache(self.kv, self.states, checkpoints) if checkpoints else None
-        self.host_cache_bytes = host_cache_bytes
-        self.host_bytes_used = 0
+        self.host_cache_bytes = host_cache_bytes  # for snapshots and host checkpoints together
+        self.host_bytes_used = 0  # the snapshots'
+        self.prefix = PrefixCache(self.kv, self.states, checkpoints,
+                                  lambda: self.host_cache_bytes - self.host_bytes_used) if checkpoints else None
         self.padding_page: int | None = None  # held for padded rows of captured decode graphs
         self.padding_slot: int | None = None
 
@@ -56,11 +60,23 @@ class CacheManager:
 
     @property
     def free_pages(self) -> int:
+        self._settle()
         return self.kv.num_free if self.kv else 1 << 30
 
     @property
     def free_slots(self) -> int:
-        return self.states.num_free if self.states else 1 << 30
+        """Free slots, and those of checkpoints' copies to host still in flight (waited for when taken)."""
+        self._settle()
+        moving = self.prefix.moving_slots if self.prefix is not None else 0
+        return self.states.num_free + moving if self.states else 1 << 30
+
+    @property
+    def host_checkpoint_bytes(self) -> int:
+        return self.prefix.host_bytes if self.prefix is not None else 0
+
+    def _settle(self) -> None:
+        if self.prefix is not None:
+            self.prefix.settle()
 
     def pages_needed(self, cache: PagedSequenceCache | None, total_tokens: int) -> int:
         if self.kv is None:
@@ -69,22 +85,23 @@ class CacheManager:
         return max(self.kv.pages_for(total_tokens) - have, 0)
 
     def room(self) -> int:
-        """Pages a sequence can have: the free ones and those only checkpoints hold (evicted for it)."""
+        """Pages a sequence can have: the free ones and those only checkpoints hold (evicted for
+        it), or their copies to host in flight (given back when done)."""
         if self.kv is None:
             return 1 << 30
         if self.prefix is None:
             return self.kv.num_free
-        holds: dict[int, int] = {}
-        for entry in self.prefix.entries:
-            for p in entry.pages:
-                holds[p] = holds.get(p, 0) + 1
+        self.prefix.settle()
+        holds = self.prefix.page_holds()
         return self.kv.num_free + sum(self.kv.holders(p) == n for p, n in holds.items())
 
     def idle(self) -> bool:
-        """Nothing is held but the padding and the prefix checkpoints (exactly)."""
-        kept = self.prefix.entries if self.prefix is not None else []
+        """Nothing is held but the padding and the prefix checkpoints (exactly): the device ones'
+        pages and slots (with those of their copies to host in flight); host ones hold neither,
+        and no snapshot is left."""
+        self._settle()
         kept_pages = len(self.prefix.pages_held()) if self.prefix is not None else 0
-        kept_slots = sum(e.slot is not None for e in kept)
+        kept_slots = self.prefix.slots_held() if self.prefix is not None else 0
         pages_ok = self.kv is None or \
             self.kv.num_free == self.kv.num_pages - (self.padding_page is not None) - kept_pages
         slots_ok = self.states is None or \
@@ -104,31 +121,47 @@ class CacheManager:
     def open(self) -> PagedSequenceCache:
         cache = PagedSequenceCache(self.kv, self.states)
         if self.states is not None:
+            if self.prefix is not None:
+                self.prefix.want(slots=1)  # a checkpoint's copy to host may still hold one
             cache.slot = self.states.acquire()
         return cache
 
     def open_from(self, start: Checkpoint) -> tuple[PagedSequenceCache, int]:
         """A cache for a sequence that continues from checkpoint ``start``, and the tokens it has
-        so: the checkpoint's whole pages shared, its partly filled last page copied (the sequence
-        writes past the checkpoint into it), its GDN states copied into the sequence's slot. A
-        fresh cache and 0 where no page is left for the copy."""
+        so: a host checkpoint promoted to the device first, then the checkpoint's whole pages
+        shared, its partly filled last page copied (the sequence writes past the checkpoint into
+        it), its GDN states copied into the sequence's slot. A fresh cache and 0 where no room is
+        left for the promotion or the copy."""
         cache = self.open()
+        from_host = start.host is not None
+        if from_host and not self.prefix.promote(start):
+            return cache, 0
+        if start.slot is not None:
+            self.states.copy(start.slot, cache.slot)  # queued now: while room is made, the checkpoint may go
         if self.kv is not None:
             whole = start.length // self.kv.page_size
             held = self.kv.share(start.pages)  # while room is made, the checkpoint may go
             if start.length % self.kv.page_size:
                 if not self._make_room(1):
                     self.kv.release(held)
-                    return cache, 0
+                    self.close(cache)  # its slot has the checkpoint's states
+                    return self.open(), 0
                 page = self.kv.allocate(1)[0]
                 self.kv.copy_page(held[whole], page)
                 cache.pages = held[:whole] + [page]
                 self.kv.release(held[whole:])
             else:
                 cache.pages = held
-        if start.slot is not None:
-            self.states.copy(start.slot, cache.slot)  # queued before the slot is handed on
+        if from_host:
+            self.prefix.hits_host += 1
+        else:
+            self.prefix.hits_gpu += 1
         return cache, start.length
+
+    def shared_pages(self, start: Checkpoint) -> int:
+        """KV pages a continuation from ``start`` gets without taking any: a device checkpoint's
+        whole pages; none from a host one (its pages are taken when it is promoted)."""
+        return 0 if self.kv is None or start.host is not None else start.length // self.kv.page_size
 
     def reserve(self, cache: PagedSequenceCache, total_tokens: int) -> bool:
         """Make room for ``total_tokens`` tokens (dropping checkpoints as needed); False (and
@@ -141,17 +174,24 @@ class CacheManager:
         return True
 
     def _make_room(self, pages: int) -> bool:
-        """Drop least recently used checkpoints until ``pages`` pages are free; whether they are."""
-        while self.kv.num_free < pages and self.prefix is not None and self.prefix.evict_one():
-            pass
+        """Evict least recently used device checkpoints (to host memory, or dropped) until
+        ``pages`` pages are free; whether they are."""
+        if self.prefix is not None:
+            return self.prefix.want(pages=pages)
         return self.kv.num_free >= pages
 
-    def checkpoint(self, cache: PagedSequenceCache, tokens: list[int]) -> bool:
-        """Keep the sequence's state after ``tokens`` (all computed) as a prefix checkpoint."""
-        return self.prefix is not None and self.prefix.add(tokens, cache.pages, cache.slot) is not None
+    def checkpoint(self, cache: PagedSequenceCache, tokens: list[int]) -> Checkpoint | None:
+        """Keep the sequence's state after ``tokens`` (all computed) as a prefix checkpoint; the
+        checkpoint, or None where none was kept (held already, or no room)."""
+        return None if self.prefix is None else self.prefix.add(tokens, cache.pages, cache.slot)
+
+    def drop(self, entry: Checkpoint | None) -> None:
+        """Give up a checkpoint that is no longer wanted (a progress anchor superseded)."""
+        if self.prefix is not None:
+            self.prefix.remove(entry)
 
     def continuation(self, tokens: list[int]) -> Checkpoint | None:
-        """The longest checkpoint a sequence of ``tokens`` can continue from."""
+        """The longest checkpoint, on the device or the host, a sequence of ``tokens`` can continue from."""
         return None if self.prefix is None else self.prefix.longest(tokens)
 
     def close(self, cache: PagedSequenceCache | None) -> None:
@@ -172,9 +212,13 @@ class CacheManager:
         return kv + st
 
     def pause(self, cache: PagedSequenceCache) -> HostSnapshot | None:
-        """Free the cache's device resources; a host snapshot when the budget allows, else None."""
+        """Free the cache's device resources; a host snapshot when the budget allows (host
+        checkpoints dropped for its room), else None."""
         snap = None
-        if self.host_cache_bytes and self.host_bytes_used + self.snapshot_bytes(cache) <= self.host_cache_bytes:
+        need = self.snapshot_bytes(cache)
+        if self.host_cache_bytes and self.host_bytes_used + need <= self.host_cache_bytes:
+            if self.prefix is not None:
+                self.prefix.shrink_host(self.host_cache_bytes - self.host_bytes_used - need)
             idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device) if self.kv else None
             snap = HostSnapshot(
                 keys=self.kv.keys[:, idx].to("cpu", copy=True) if self.kv else None,
@@ -189,12 +233,14 @@ class CacheManager:
         return snap
 
     def can_restore(self, snap: HostSnapshot) -> bool:
+        """Whether a snapshot's pages fit, counting those only prefix checkpoints hold (given up for it)."""
         pages = 0 if snap.keys is None else snap.keys.shape[1]
-        return pages <= self.free_pages and (self.states is None or self.free_slots > 0)
+        return pages <= self.room() and (self.states is None or self.free_slots > 0)
 
     def restore(self, snap: HostSnapshot) -> PagedSequenceCache:
         cache = self.open()
         if self.kv is not None:
+            self._make_room(snap.keys.shape[1])
             cache.pages = self.kv.allocate(snap.keys.shape[1])
             idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device)
             self.kv.keys[:, idx] = snap.keys.to(self.kv.keys.device)

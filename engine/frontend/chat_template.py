@@ -37,6 +37,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
         # whether the template puts tool definitions in the prompt at all (SmolLM2's does not)
         self.renders_tools = "tools" in names
+        self._answers_back: dict[str, bool] = {}  # renders_answer_back, by template variables
 
     def render(
         self,
@@ -47,6 +48,10 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """The prompt text; ``kwargs`` reach the template as variables (``enable_thinking``, ...)."""
+        return self._render(messages, add_generation_prompt, tools, kwargs)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         context.update(
             messages=[_parse_tool_arguments(m) for m in messages],
@@ -61,6 +66,33 @@ class ChatTemplate:
             raise TemplateError(f"chat template error: {e}") from e
         except (TypeError, ValueError, LookupError, AttributeError) as e:
             raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+    def renders_answer_back(self, **kwargs: Any) -> bool:
+        """Whether the next turn renders an answer as the model wrote it after the generation
+        prompt (``kwargs``: the template variables), so that a prefix checkpoint where the answer
+        ends is one the next turn can go on from. Not where the template rewrites answers: drops
+        an earlier turn's reasoning (Qwen3.5's, with thinking on) or the empty reasoning block the
+        generation prompt opened with thinking off. Found once per set of variables, on a probe
+        conversation."""
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self._answers_back:
+            self._answers_back[key] = self._probe_answer_back(kwargs)
+        return self._answers_back[key]
+
+    def _probe_answer_back(self, kwargs: dict[str, Any]) -> bool:
+        first = [{"role": "user", "content": "What is two and two?"}]
+        answer = {"role": "assistant", "content": "Four."}
+        try:
+            opened = self._render(first, True, None, kwargs)
+            written = "Four."
+            if opened.rstrip().endswith("<think>"):  # the model reasons first, then closes the block
+                answer["reasoning_content"] = "Two and two make four."
+                written = "Two and two make four.\n</think>\n\nFour."
+            again = self._render([*first, answer, {"role": "user", "content": "And three?"}], True, None, kwargs)
+        except TemplateError:
+            return False
+        return again.startswith(opened + written)
 
 
 def builtin_template(name: str) -> str:

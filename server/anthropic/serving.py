@@ -15,7 +15,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser, ContentTe
 from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
-from ..generation import Sampling, check_prompt, rendered_prompt, sampling_params, thinking_control
+from ..generation import Sampling, check_prompt, keep_for, rendered_prompt, sampling_params, thinking_control
 from ..openai_common import new_id
 from ..state import ServerState
 from ..streaming import sse_event
@@ -86,7 +86,8 @@ class PreparedMessages:
                             max_tokens=req.max_tokens, stop=list(req.stop_sequences or []))
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
-        self.checkpoint_at = prompt.turn_end if prompt.turn_end and prompt.turn_end <= len(ids) else None
+        self.keep = keep_for(state, prompt.turn_end if prompt.turn_end and prompt.turn_end <= len(ids) else None,
+                             low.options)
         self.tools = [t.spec for t in low.tools]
         self.stop_sequences = set(req.stop_sequences or [])
         self.max_context = state.max_context

@@ -61,22 +61,38 @@ def conversation(eng: LLMEngine, turns: int = 4) -> list[tuple[list[int], int]]:
     return out
 
 
-def test_a_returning_conversation_goes_on_from_its_last_prompt(parts):
+def test_a_returning_conversation_goes_on_from_where_its_last_answer_ended(parts):
+    """Each turn resends the last prompt, its answer and a new turn: it goes on from where the
+    answer ended (all of it but its last token, which the engine sampled but never ran)."""
     with_cache, without = engine(parts), engine(parts, prefix_cache=False)
     turns, plain = conversation(with_cache), conversation(without)
     assert [got for got, _ in turns] == [got for got, _ in plain]  # token-identical
     lengths = [37]
     for got, _ in turns[:-1]:
         lengths.append(lengths[-1] + len(got) + 5)
-    assert [cached for _, cached in turns] == [0] + lengths[:-1]  # each turn: the whole previous prompt
+    answered = [n + len(got) - 1 for n, (got, _) in zip(lengths, turns)]
+    assert [cached for _, cached in turns] == [0] + answered[:-1]
     assert [cached for _, cached in plain] == [0, 0, 0, 0]
-    assert with_cache.counters.cached_tokens == sum(lengths[:-1])
+    assert with_cache.counters.cached_tokens == sum(answered[:-1])
     assert with_cache.caches.idle() and without.caches.idle()
     with_cache.caches.prefix.clear()
     kv = with_cache.caches.kv
     assert kv is None or kv.num_free == kv.num_pages  # nothing leaked past the checkpoints
     states = with_cache.caches.states
     assert states is None or states.num_free == states.num_slots
+
+
+def test_a_conversation_whose_answers_are_rewritten_goes_on_from_its_last_prompt(parts):
+    """``checkpoint_answer=False`` (the server's choice where the template rewrites answers, as
+    Qwen3.5's drops an earlier turn's reasoning): each turn goes on from the whole previous prompt."""
+    eng = engine(parts)
+    ids, cached = [5 + i % 80 for i in range(37)], []
+    for t in range(3):
+        got, hit = run(eng, [req(f"t{t}", ids, checkpoint_answer=False)])[f"t{t}"]
+        cached.append(hit)
+        prompt_len, ids = len(ids), ids + got + [9 + t, 10, 11]
+    assert cached == [0, 37, 37 + 8 + 3]
+    assert len(eng.caches.prefix) == 3 and eng.caches.idle()  # one per prompt, none per answer
 
 
 def test_a_short_prompt_that_extends_another_hits_off_the_page_grid(parts):
@@ -126,14 +142,35 @@ def test_checkpoints_give_way_when_room_is_needed(parts):
 
 
 def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):
-    """``checkpoint_at``: the server puts it before the generation prompt; a request resent with
+    """``checkpoints``: the server puts one before the generation prompt; a request resent with
     the turn after it goes on from there, and a position outside the prompt is refused."""
     eng = engine(parts)
     turn = [5 + i % 80 for i in range(40)]
-    run(eng, [req("a", turn + [1, 2, 3], checkpoint_at=len(turn))])
+    run(eng, [req("a", turn + [1, 2, 3], checkpoints=[len(turn)])])
     assert run(eng, [req("b", turn + [4, 4, 4, 4])])["b"][1] == len(turn)
-    with pytest.raises(ValueError, match="checkpoint_at 50 is outside the prompt's 43 tokens"):
-        eng.add_request(req("c", turn + [1, 2, 3], checkpoint_at=50))
+    with pytest.raises(ValueError, match="checkpoint position 50 is outside the prompt's 43 tokens"):
+        eng.add_request(req("c", turn + [1, 2, 3], checkpoints=[10, 50]))
+
+
+def test_a_long_prompt_cancelled_part_way_resumes_from_its_last_anchor(parts):
+    """``progress_anchor=48``: a 300-token prompt keeps its newest anchor as it goes (its chunks
+    of 64 cut at each); cancelled after 200 tokens or more and sent again, it goes on from its last
+    anchor (only the rest is computed again), with the tokens it gets without any cache;
+    finished, it keeps no anchor."""
+    eng = engine(parts, progress_anchor=48)
+    prompt = [3 + (5 * i) % 97 for i in range(300)]
+    eng.add_request(req("a", prompt, 6))
+    while not eng.running or eng.running[0].num_computed < 200:
+        eng.step()
+    anchor = eng.running[0].num_computed // 48 * 48
+    assert [e.length for e in eng.caches.prefix.entries] == [anchor]  # the newest anchor only
+    assert eng.abort("a").finished
+    computed = eng.counters.prefill_tokens
+    got, cached = run(eng, [req("b", prompt, 6)])["b"]
+    assert cached == anchor and got == run(engine(parts, prefix_cache=False), [req("b", prompt, 6)])["b"][0]
+    assert eng.counters.prefill_tokens == computed + 300 - anchor
+    assert sorted(e.length for e in eng.caches.prefix.entries) == [300, 305]  # prompt and answer ends
+    assert eng.caches.idle()
 
 
 def test_a_cancelled_turn_leaves_the_checkpoint_it_went_on_from(parts):
@@ -157,9 +194,30 @@ def test_ids_that_share_a_key_replace_the_older_checkpoint_without_leaking(parts
     monkeypatch.setattr(prefix, "key_of", lambda *args: 0)
     eng = engine(parts)
     a, b = [5 + i % 80 for i in range(37)], [6 + i % 70 for i in range(50)]
-    run(eng, [req("a", a)])
-    run(eng, [req("b", b)])
+    run(eng, [req("a", a, checkpoint_answer=False)])
+    run(eng, [req("b", b, checkpoint_answer=False)])
     assert [e.tokens for e in eng.caches.prefix.entries] == [b] and eng.caches.idle()
     assert run(eng, [req("a2", a + [1])])["a2"][1] == 0  # its checkpoint is gone, not mistaken for b's
     eng.caches.prefix.clear()
     assert eng.caches.kv.num_free == eng.caches.kv.num_pages
+
+
+def test_requests_sent_together_with_one_long_prefix_compute_it_once(parts):
+    """Two prompts that share their first 300 tokens, sent together: the second waits for the
+    first to compute them, goes on from the checkpoint taken there and computes only its own
+    tail; both get the tokens they get without any cache (the time it saves:
+    tests/engine/test_shared_prefix.py)."""
+    base = [3 + (11 * i) % 89 for i in range(300)]
+    prompts = {"a": base + [1, 2, 3], "b": base + [4, 5, 6, 7]}
+    results = {}
+    for cached in (False, True):
+        eng = engine(parts, prefix_cache=cached)
+        results[cached] = run(eng, [req(name, ids, 4) for name, ids in prompts.items()])
+        results[cached]["computed"] = eng.counters.prefill_tokens
+        assert eng.caches.idle()
+    assert results[True]["b"][1] == 300 and results[False]["b"][1] == 0
+    assert [results[True][n][0] for n in prompts] == [results[False][n][0] for n in prompts]
+    assert results[True]["computed"] == 303 + 4 and results[False]["computed"] == 303 + 304
+    # a prompt that shares less than SHARED_PREFIX_MIN tokens does not wait
+    short = {"c": base[:200] + [1, 2, 3], "d": base[:200] + [4, 5]}
+    assert all(c == 0 for _, c in run(engine(parts), [req(n, ids, 2) for n, ids in short.items()]).values())

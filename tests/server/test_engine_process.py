@@ -78,9 +78,10 @@ def test_the_engine_process_gives_the_tokens_of_the_engine_thread_and_its_figure
         metrics = httpx.get(server.base_url + "/metrics").text
         assert "ninfer_generation_tokens_total 72.0" in metrics
         stats = httpx.get(server.base_url + "/stats").json()
-        assert stats["requests"]["running"] == 0  # what is still held is the prompts' checkpoints
+        assert stats["requests"]["running"] == 0  # what is still held is the checkpoints
         assert stats["memory"]["kv_pages_used"] == stats["cache"]["checkpoint_kv_pages"] > 0
-        assert stats["cache"]["checkpoints"] == 3 and "ninfer_prefix_checkpoints 3.0" in metrics
+        # one where each prompt ended, one where each answer did
+        assert stats["cache"]["checkpoints"] == 6 and "ninfer_prefix_checkpoints 6.0" in metrics
         # a lane shows while its request runs
         streaming = threading.Thread(target=completion, args=(server.base_url, [3, 4], 400))
         streaming.start()
