@@ -30,11 +30,16 @@ class Gauges:
     kv_page_size: int = 0
     state_slots_used: int = 0
     state_slots_total: int = 0
-    host_cache_bytes_used: int = 0
-    host_cache_bytes_total: int = 0
-    prefix_checkpoints: int = 0  # kept now (each with a state slot of its own, on hybrid models)
+    host_cache_bytes_used: int = 0  # paused requests' snapshots
+    host_cache_bytes_total: int = 0  # the budget of the snapshots and the host checkpoints together
+    prefix_checkpoints: int = 0  # on the device now (each with a state slot of its own, on hybrid models)
     prefix_checkpoints_max: int = 0
     prefix_pages: int = 0  # KV pages the checkpoints hold (some shared with running requests)
+    prefix_host_checkpoints: int = 0  # in host memory now
+    prefix_host_kv_bytes: int = 0  # host memory they hold: KV rows, GDN states
+    prefix_host_state_bytes: int = 0
+    prefix_hits_gpu: int = 0  # requests that went on from a device checkpoint, from a host one (counts)
+    prefix_hits_host: int = 0
 
 
 class Lane(NamedTuple):
@@ -84,6 +89,11 @@ def take_snapshot(engine) -> EngineSnapshot:
         g.prefix_checkpoints = len(caches.prefix)
         g.prefix_checkpoints_max = caches.prefix.max_entries
         g.prefix_pages = len(caches.prefix.pages_held())
+        g.prefix_host_checkpoints = caches.prefix.num_host
+        g.prefix_host_kv_bytes = caches.prefix.host_kv_bytes
+        g.prefix_host_state_bytes = caches.prefix.host_state_bytes
+        g.prefix_hits_gpu = caches.prefix.hits_gpu
+        g.prefix_hits_host = caches.prefix.hits_host
     lanes = [Lane(r.request_id, r.status is Status.PREFILL, len(r.prompt_ids), min(r.num_computed, len(r.prompt_ids)),
                   len(r.output_ids), r.params, r.arrival) for r in running]
     return EngineSnapshot(engine.counters, engine.scheduler.stats, g, lanes)

@@ -100,12 +100,26 @@ class _EngineCollector:
         yield _gauge("ninfer_device_kv_used_pages", "KV cache pages in use", g.kv_pages_used)
         yield _gauge("ninfer_device_kv_capacity_pages", "KV cache pages in the pool", g.kv_pages_total)
         yield _gauge("ninfer_device_state_used_slots", "Recurrent-state slots in use", g.state_slots_used)
-        yield _gauge("ninfer_prefix_checkpoints", "Prefix checkpoints kept", g.prefix_checkpoints)
+        yield _gauge("ninfer_prefix_checkpoints", "Prefix checkpoints kept on the device", g.prefix_checkpoints)
         yield _gauge("ninfer_prefix_checkpoint_kv_pages", "KV cache pages the prefix checkpoints hold", g.prefix_pages)
+        yield _gauge("ninfer_prefix_host_checkpoints", "Prefix checkpoints kept in host memory",
+                     g.prefix_host_checkpoints)
+        host = GaugeMetricFamily("ninfer_prefix_host_checkpoint_bytes",
+                                 "Host memory the host prefix checkpoints hold: KV rows, recurrent states",
+                                 labels=["kind"])
+        host.add_metric(["kv"], g.prefix_host_kv_bytes)
+        host.add_metric(["state"], g.prefix_host_state_bytes)
+        yield host
+        hits = CounterMetricFamily("ninfer_prefix_hits", "Requests that went on from a prefix checkpoint, by the "
+                                   "tier it was in (host: copied back to the device first)", labels=["tier"])
+        hits.add_metric(["gpu"], g.prefix_hits_gpu)
+        hits.add_metric(["host"], g.prefix_hits_host)
+        yield hits
         yield _gauge("ninfer_device_state_capacity_slots", "Recurrent-state slots in the pool", g.state_slots_total)
         yield _gauge("ninfer_host_context_used_bytes", "Host memory holding paused requests' state",
                      g.host_cache_bytes_used)
-        yield _gauge("ninfer_host_context_capacity_bytes", "Host memory budget for paused requests' state",
+        yield _gauge("ninfer_host_context_capacity_bytes", "Host memory budget for paused requests' state and "
+                     "host prefix checkpoints together",
                      g.host_cache_bytes_total)
 
 

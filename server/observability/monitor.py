@@ -185,6 +185,8 @@ class RequestWatch:
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": cached,
                 "prefill_tokens": self.prompt_tokens - cached,
+                # where the cached tokens came from: {"tier": "gpu" | "host", "kind": "turn" | "anchor"}
+                "reuse": final.reuse if final is not None else None,
                 "completion_tokens": completion,
             },
             "timings_seconds": {

@@ -112,7 +112,12 @@ def test_stats_shape_and_agreement_with_metrics(client, served):
     assert stats["cache"] == {"prompt_tokens_total": m["ninfer_prompt_tokens_total"],
                               "cached_tokens_total": m["ninfer_prompt_tokens_cached_total"],
                               "checkpoints": m["ninfer_prefix_checkpoints"], "checkpoints_max": 0,
-                              "checkpoint_kv_pages": m["ninfer_prefix_checkpoint_kv_pages"]}  # scripted: off
+                              "checkpoint_kv_pages": m["ninfer_prefix_checkpoint_kv_pages"],
+                              "host_checkpoints": m["ninfer_prefix_host_checkpoints"],
+                              "host_checkpoint_kv_bytes": m['ninfer_prefix_host_checkpoint_bytes{kind="kv"}'],
+                              "host_checkpoint_state_bytes": m['ninfer_prefix_host_checkpoint_bytes{kind="state"}'],
+                              "hits": {"gpu": m['ninfer_prefix_hits_total{tier="gpu"}'],
+                                       "host": m['ninfer_prefix_hits_total{tier="host"}']}}  # scripted: off
     assert stats["requests"] == {"running": m["ninfer_requests_running"], "waiting": m["ninfer_requests_waiting"],
                                  "paused": m["ninfer_requests_paused"]}
     mem = stats["memory"]

@@ -149,3 +149,25 @@ def test_append_mode_and_flush(tmp_path):
     log.write("server_start", n=1)
     assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == ["earlier", "server_start"]
     log.close()
+
+
+def test_a_returning_turn_logs_where_its_cached_tokens_came_from(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    state, loop = scripted_state({}, "Paris.", "--request-log-jsonl", str(path), prefix_cache=True)
+    loop.start()
+    try:
+        with LiveServer(create_app(state)) as server:
+            messages = [{"role": "user", "content": "The capital of France? " * 20}]
+            first = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                               json={"model": "scripted", "messages": messages}).json()
+            messages += [first["choices"][0]["message"], {"role": "user", "content": "And of Italy?"}]
+            second = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                                json={"model": "scripted", "messages": messages}).json()
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert wait_for(lambda: sum(e["event"] == "request_done" for e in events(path)) == 2, 10)
+    finally:
+        loop.stop()
+    done = [e["usage"] for e in events(path) if e["event"] == "request_done"]
+    assert done[0]["cached_tokens"] == 0 and done[0]["reuse"] is None
+    assert cached > 0 and done[1]["cached_tokens"] == cached and done[1]["prefill_tokens"] == done[1]["prompt_tokens"] - cached
+    assert done[1]["reuse"] == {"tier": "gpu", "kind": "turn"}

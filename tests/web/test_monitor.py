@@ -49,6 +49,15 @@ def test_decode_rate_moves_while_a_request_runs(context, server):
         "() => parseFloat(document.querySelector('[data-testid=decode-tps]').textContent || '0') === 0 "
         "|| document.querySelector('[data-testid=decode-tps]').textContent === '–'", timeout=10_000)
 
+    # the conversation returns: its turn goes on from a checkpoint, and the prefix-cache card says so
+    assert number(monitor.get_by_test_id("cache-hits-gpu")) == 0
+    chat.send("And the tricycle?")
+    chat.wait_answer()
+    monitor.wait_for_function(
+        "() => parseFloat(document.querySelector('[data-testid=cache-hits-gpu]').textContent) >= 1", timeout=10_000)
+    assert number(monitor.get_by_test_id("cache-hit")) > 0
+    expect(monitor.get_by_test_id("cache-kept-gpu")).not_to_have_text("–")
+
 
 def test_monitor_without_the_key_says_it_is_unauthorised(context, server):
     page = context.new_page()

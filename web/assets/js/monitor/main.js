@@ -94,6 +94,12 @@ function renderMemory(s) {
   const c = s.cache || {};
   setText("cache-hit", int(c.cached_tokens_total));
   setText("cache-rate", c.prompt_tokens_total ? `${((100 * c.cached_tokens_total) / c.prompt_tokens_total).toFixed(1)}%` : "–");
+  const hits = c.hits || {};
+  setText("cache-hits-gpu", int(hits.gpu));
+  setText("cache-hits-host", int(hits.host));
+  setText("cache-kept-gpu", c.checkpoints_max ? `${int(c.checkpoints)} / ${int(c.checkpoints_max)}` : "–");
+  const hostBytes = (c.host_checkpoint_kv_bytes || 0) + (c.host_checkpoint_state_bytes || 0);
+  setText("cache-kept-host", c.host_checkpoints ? `${int(c.host_checkpoints)} · ${bytes(hostBytes)}` : int(c.host_checkpoints));
 }
 
 function renderSpeculative(s) {
