@@ -1,54 +1,13 @@
-"""Prefix checkpoints: a returning conversation goes on from where its last prompt ended, with the
+"""Prefix checkpoints: a returning conversation goes on from where its last answer ended, with the
 tokens it would get without them, for every model family; no minimum length, no page grid;
-shared pages copied where a continuation writes; checkpoints dropped when room is needed; pools
-exact after."""
+shared pages copied where a continuation writes; checkpoints dropped when room is needed;
+anchors of a long prefill; prompts sent together that share a start; pools exact after."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ninfer.engine.engine import LLMEngine
-from ninfer.engine.engine_config import EngineConfig
-from ninfer.engine.loader import load_checkpoint, load_model
-from ninfer.engine.request import Request
-from ninfer.engine.sampling_params import SamplingParams
-from support.tiny import save_tiny_llama, save_tiny_qwen3_5, save_tiny_qwen3_next
-
-BUILDERS = {
-    "llama": save_tiny_llama,
-    "qwen3_5": save_tiny_qwen3_5,
-    "qwen3_5_moe": lambda path: save_tiny_qwen3_5(path, moe=True),
-    "qwen3_next": save_tiny_qwen3_next,
-}
-
-
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def parts(request, tmp_path_factory):
-    ckpt = load_checkpoint(BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "ckpt"))
-    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
-
-
-def engine(parts, **kw) -> LLMEngine:
-    model, tok = parts
-    return LLMEngine(model, tok, EngineConfig(**{"max_context": 512, "max_concurrency": 3, "kv_capacity": 1536,
-                                                 "prefill_chunk": 64, **kw}))
-
-
-def run(eng: LLMEngine, requests: list[Request]) -> dict[str, tuple[list[int], int]]:
-    """Each request's output ids and the cached tokens its admission reported."""
-    for r in requests:
-        eng.add_request(r)
-    out = {r.request_id: ([], None) for r in requests}
-    while eng.has_work:
-        for o in eng.step():
-            ids, cached = out[o.request_id]
-            out[o.request_id] = (ids + list(o.token_ids or []), o.cached_tokens if o.admitted else cached)
-    return out
-
-
-def req(name: str, ids: list[int], n: int = 8, **kw) -> Request:
-    return Request(name, list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                   max_total_tokens=320, **kw)
+from support.prefix_cases import engine, parts, req, run  # noqa: F401 - parts is a fixture
 
 
 def conversation(eng: LLMEngine, turns: int = 4) -> list[tuple[list[int], int]]:
