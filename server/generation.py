@@ -9,6 +9,7 @@ Routes run the preparation on ``state.workers`` (``workers.py``), off the event 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -56,10 +57,10 @@ class Keep:
     answer: bool = True
 
 
-def keep_for(state: ServerState, turn_end: int | None, options: Mapping[str, Any]) -> Keep:
-    """Checkpoints of a chat prompt: where its turn ends (``turn_end``), and where the answer
-    ends when the template renders answers back as they were written."""
-    return Keep(None if turn_end is None else (turn_end,), state.template.renders_answer_back(**options))
+def keep_for(state: ServerState, marks: tuple[int, ...], options: Mapping[str, Any]) -> Keep:
+    """Checkpoints of a chat prompt: at ``marks`` (``rendered_prompt``'s; none: the engine's
+    default), and where the answer ends when the template renders answers back as written."""
+    return Keep(marks or None, state.template.renders_answer_back(**options))
 
 
 @dataclass
@@ -149,18 +150,22 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], tools: lis
 
 def rendered_prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     options: Mapping[str, Any], param: str = "messages",
-                    fit: bool = False) -> tuple[str, list[int], int | None]:
-    """``render_prompt``, and where the conversation's turn ends in the ids (``turn_end``): for a
-    prompt that goes to the engine, which keeps a prefix checkpoint there."""
+                    fit: bool = False) -> tuple[str, list[int], tuple[int, ...]]:
+    """``render_prompt``, and where the engine keeps prefix checkpoints in the ids, for a prompt
+    that goes to the engine: where a long system part ends (``system_end``) and where the
+    conversation's turn ends (``turn_end``); empty where neither is found (the engine keeps one
+    where the prompt ends)."""
     return _prompt(state, messages, tools, options, param, fit, with_turn_end=True)
 
 
 def _prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             options: Mapping[str, Any], param: str, fit: bool,
-            with_turn_end: bool) -> tuple[str, list[int], int | None]:
+            with_turn_end: bool) -> tuple[str, list[int], tuple[int, ...] | None]:
     guard = guard_for(state.tokenizer)
     guarded, literals = guard.protect(lower_content(lower_roles(messages)))
-    try:  # without the generation prompt first (only to find the turn's end; a counted prompt needs none)
+    # a stand-in for what follows a long system part first (only to find where it ends)
+    stand_in = system_stand_in(state, guarded, tools, options) if with_turn_end else None
+    try:  # without the generation prompt (only to find the turn's end; a counted prompt needs none)
         base = state.template.render(guarded, add_generation_prompt=False, tools=tools or None,
                                      **options) if with_turn_end else None
         text = state.template.render(guarded, add_generation_prompt=True, tools=tools or None, **options)
@@ -169,8 +174,55 @@ def _prompt(state: ServerState, messages: list[dict[str, Any]], tools: list[dict
     if fit:  # the text outside the guard's markers alone is a floor for the prompt's tokens
         check_context_floor(state, state.tokenizer.min_tokens(literals.pattern.sub("", text) if literals else text),
                             param)
+    guarded_text = text
     text, ids = guard.encode(text, literals)
-    return text, ids, None if base is None else turn_end(state, text, ids, base, literals)
+    if base is None:
+        return text, ids, None
+    turn = turn_end(state, text, ids, base, literals)
+    start = None if stand_in is None else system_end(stand_in, guarded_text, ids, guard, literals)
+    marks = {m for m in (start, turn) if m is not None}
+    if start is not None and turn is None:
+        marks.add(len(ids))  # the prompt's end, where the engine puts one when none is named
+    return text, ids, tuple(sorted(marks))
+
+
+# the shortest system part (characters of system prompts and tool definitions) that gets a
+# checkpoint of its own, which other conversations that start with it go on from
+SYSTEM_CHECKPOINT_CHARS = 2048
+
+
+def system_stand_in(state: ServerState, guarded: list[dict[str, Any]], tools, options: Mapping[str, Any]) -> str | None:
+    """The prompt rendered with its system messages (and the tool definitions the template
+    renders with them) and a stand-in user turn after them, ``\ue002``: where it parts from the
+    real rendering, the system part ends. None where there is no such part, it is short (at most
+    ``SYSTEM_CHECKPOINT_CHARS`` of content and tool definitions) or the template refuses it."""
+    head = 0
+    while head < len(guarded) and guarded[head].get("role") in ("system", "developer"):
+        head += 1
+    if head == len(guarded) or not (head or tools):
+        return None
+    size = sum(len(str(m.get("content") or "")) for m in guarded[:head]) + len(json.dumps(tools or []))
+    if size < SYSTEM_CHECKPOINT_CHARS:
+        return None
+    try:
+        return state.template.render([*guarded[:head], {"role": "user", "content": "\ue002"}],
+                                     add_generation_prompt=False, tools=tools or None, **options)
+    except TemplateError:
+        return None
+
+
+def system_end(stand_in: str, text: str, ids: list[int], guard, literals) -> int | None:
+    """Where the system part ends in ``ids`` (``system_stand_in``; ``text``: the real rendering,
+    guard markers in it): there a checkpoint serves every conversation that starts with it, an
+    agent's new sessions and subagents. None where no token boundary matches there."""
+    cut = stand_in.find("\ue002")
+    if cut <= 0 or not text.startswith(stand_in[:cut]):
+        return None
+    _, part = guard.encode(stand_in[:cut], literals)
+    for n in (len(part), len(part) - 1):  # the part's last token may merge with what follows it
+        if 0 < n < len(ids) and ids[:n] == part[:n]:
+            return n
+    return None
 
 
 def turn_end(state: ServerState, text: str, ids: list[int], base: str, literals) -> int | None:
@@ -284,12 +336,12 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     """Render, tokenize and check one chat request; ``tools`` are rendered in the prompt,
     ``tool_specs`` are what the output parser may turn into calls."""
     sampling = sampling or Sampling()
-    text, ids, end = rendered_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
+    text, ids, marks = rendered_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
     check_prompt(state, ids, prompt_param)
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
     starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
     params = sampling_params(state, sampling, control)
-    return Prepared(text, ids, params, starts, list(tool_specs), keep_for(state, end, options or {}))
+    return Prepared(text, ids, params, starts, list(tool_specs), keep_for(state, marks, options or {}))
 
 
 async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,

@@ -39,23 +39,23 @@ class Prompt:
     ids: list[int]
     applied: list[dict[str, Any]]  # context edits, as ``context_management.applied_edits`` reports them
     original_tokens: int  # before the edits
-    turn_end: int | None = None  # where the conversation's turn ends in ``ids`` (``generation.turn_end``)
+    marks: tuple[int, ...] = ()  # where prefix checkpoints go in ``ids`` (``generation.rendered_prompt``)
 
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
     tools = [t.template for t in low.tools]
-    ends: list[int | None] = []  # of each rendering; the last one's is the prompt's
+    ends: list[tuple[int, ...]] = []  # of each rendering; the last one's are the prompt's
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text, ids, end = rendered_prompt(state, messages, tools, low.options)
+        text, ids, marks = rendered_prompt(state, messages, tools, low.options)
         if low.prefill is not None:
             text += low.prefill
             ids = state.tokenizer.encode(text)
-        ends.append(end)
+        ends.append(marks)
         return text, ids
 
     prompt = Prompt(*context_edits.apply(low.edits or [], low.messages, render))
-    prompt.turn_end = ends[-1] if ends else None
+    prompt.marks = ends[-1] if ends else ()
     return prompt
 
 
@@ -86,8 +86,7 @@ class PreparedMessages:
                             max_tokens=req.max_tokens, stop=list(req.stop_sequences or []))
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
-        self.keep = keep_for(state, prompt.turn_end if prompt.turn_end and prompt.turn_end <= len(ids) else None,
-                             low.options)
+        self.keep = keep_for(state, tuple(m for m in prompt.marks if m <= len(ids)), low.options)
         self.tools = [t.spec for t in low.tools]
         self.stop_sequences = set(req.stop_sequences or [])
         self.max_context = state.max_context

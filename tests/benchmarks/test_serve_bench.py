@@ -55,11 +55,12 @@ def test_sessions_through_http_next_to_the_engine_alone(tmp_path, capsys, monkey
         firsts = {d["session"]: d for d in run["requests_detail"] if d["turn"] == 0}
         seconds = {d["session"]: d for d in run["requests_detail"] if d["turn"] == 1}
         assert all(seconds[s]["sent_s"] >= firsts[s]["done_s"] for s in firsts)
-        # and goes on from the first prompt's checkpoint: 16 of its 28 tokens
-        assert [d["cached_tokens"] for d in seconds.values()] == [16] * n
-        assert run["return_cached_share"] == pytest.approx(16 / 28)
+        # and goes on from where the first answer ended: 16 + 8 of its 28 tokens, but the answer's
+        # last token (sampled, never run)
+        assert [d["cached_tokens"] for d in seconds.values()] == [23] * n
+        assert run["return_cached_share"] == pytest.approx(23 / 28)
         cells = rows[str(n)]
-        assert cells[7] == f"{run['return_ttft_p50_s']:,.3f} s (57%)"
+        assert cells[7] == f"{run['return_ttft_p50_s']:,.3f} s (82%)"
         assert cells[0] == f"{run['total_tok_s']:,.1f}" and cells[5] == f"{direct['tok_s']:,.1f} (b={n})"
         assert cells[3] == f"{run['ttft_p99_s']:,.2f} s" and cells[6] == f"{run['ratio']:.2f}"
     sent = sorted(d["sent_s"] for d in report["runs"][1]["requests_detail"] if d["turn"] == 0)

@@ -56,3 +56,24 @@ def test_each_turn_goes_on_from_where_the_last_one_ended(served):
     details = responses.json()["usage"]["input_tokens_details"]
     assert details["cached_tokens"] == (len(state.tokenizer.encode(state.template.render(
         later, add_generation_prompt=False))) if cache else 0)  # the same conversation, sent again
+
+
+def test_a_new_conversation_with_the_same_long_system_prompt_goes_on_from_it(served):
+    """An agent's second session (or a subagent) sends the same long system prompt and tools
+    with another first question: a checkpoint where the system part ends serves it, so all it
+    shares with the first session but at most one token is reused."""
+    http, state, cache = served
+    system = {"role": "system", "content": "You are a coding agent. Read each file before you edit it. " * 50}
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"path": {"type": "string"}}}}}]
+    prompts, cached = [], []
+    for question in ("Fix the failing test.", "Write the docs for the parser."):
+        messages = [system, {"role": "user", "content": question}]
+        r = http.post("/v1/chat/completions", json={"model": "scripted", "messages": messages, "tools": tools})
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        prompts.append(state.tokenizer.encode(state.template.render(messages, tools=tools)))
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert cached[0] == 0
+    assert (shared - 1 <= cached[1] <= shared) if cache else cached[1] == 0
