@@ -120,7 +120,8 @@ def engine_direct(argv: list[str], prompts: dict[int, list[list[int]]], steps: i
 
     def timed(streams: int, ids: list[list[int]]) -> dict:
         batch = min(streams, engine.config.max_concurrency)
-        out_tokens = steps + batch + 8  # the first request decodes while the later ones are prefilled
+        # the first request decodes while the later ones are prefilled, a step per chunk of theirs
+        out_tokens = steps + 8 + sum(-(-len(p) // engine.config.step_tokens) + 1 for p in ids[:batch])
         reqs = [Request(f"direct-{streams}-{i}", p, SamplingParams(temperature=temperature, max_tokens=out_tokens,
                                                                      ignore_eos=True, seed=i),
                         max_total_tokens=engine.config.max_context) for i, p in enumerate(ids[:batch])]
