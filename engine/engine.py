@@ -17,7 +17,7 @@ from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
-from .memory import plan_kv_pages, prefix_checkpoints
+from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput
 from .request import FinishReason, Request, Status
@@ -45,7 +45,7 @@ class LLMEngine:
         # captured decode graphs keep one page and one slot for their padding rows
         self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
-                                   config.host_cache_mib << 20, checkpoints)
+                                   config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints))
         self.scheduler = Scheduler(config, self.caches)
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit)
         if graphs:

@@ -41,9 +41,18 @@ def _slot_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype)
 
 
+def moving_slots(config: EngineConfig, checkpoints: int) -> int:
+    """State slots kept for prefix checkpoints' copies to host memory in flight (CUDA, where the
+    copies run beside the steps): a quarter of the checkpoints', 1 to 4."""
+    if not checkpoints or not config.host_cache_mib or not str(config.device).startswith("cuda"):
+        return 0
+    return min(4, max(1, checkpoints // 4))
+
+
 def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:
-    """Tokens of KV that free memory holds beside the state slots (sequences' and checkpoints')."""
-    slots = (config.max_concurrency + checkpoints) * _slot_bytes(model, config)
+    """Tokens of KV that free memory holds beside the state slots (sequences', checkpoints' and
+    their copies' in flight)."""
+    slots = (config.max_concurrency + checkpoints + moving_slots(config, checkpoints)) * _slot_bytes(model, config)
     budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
     return min(budget // kv_bytes_per_token(model, config.dtype), config.max_concurrency * config.max_context)
 

@@ -43,7 +43,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose effect is in the cache
     cache: Any = None  # PagedSequenceCache while running
-    snapshot: Any = None  # HostSnapshot while paused with its state on the host
+    snapshot: Any = None  # HostCopy (cache/host.py) while paused with its state on the host
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # matched stop string or stop token id

@@ -2,54 +2,44 @@
 
 Accounting is exact: after every request has finished or been cancelled, ``idle()`` holds.
 Pausing a sequence either snapshots its pages and slot to host memory (within
-``host_cache_bytes``) or drops them, in which case the engine rebuilds it by replaying tokens.
-The same host budget holds prefix checkpoints evicted from the device (``prefix.py``), counted
-apart (``host_checkpoint_bytes``): snapshots come first, and take the room of host checkpoints
-(least recently used first) when they need it.
+``host_cache_bytes``, ``host.py``) or drops them, in which case the engine rebuilds it by
+replaying tokens. The same host budget holds prefix checkpoints evicted from the device
+(``prefix.py``), counted apart (``host_checkpoint_bytes``): snapshots come first, and take the
+room of host checkpoints (least recently used first) when they need it.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from ..config import ModelConfig
+from .host import HostCopy, HostTier
 from .kv_pool import PagedKVPool
 from .paged import PagedSequenceCache
 from .prefix import Checkpoint, PrefixCache
 from .state_pool import StateSlotPool
 
 
-@dataclass
-class HostSnapshot:
-    keys: torch.Tensor | None  # [L_attn, pages, P, Hkv, D]
-    values: torch.Tensor | None
-    conv: torch.Tensor | None  # [L_gdn, W-1, C]
-    recurrent: torch.Tensor | None  # [L_gdn, Hv, K, V]
-    nbytes: int
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
-                 checkpoints: int = 0) -> None:
-        """``num_slots`` state slots for sequences, and ``checkpoints`` more for prefix checkpoints
-        (at most that many are kept; ``prefix`` is None without any)."""
+                 checkpoints: int = 0, moving_slots: int = 0) -> None:
+        """``num_slots`` state slots for sequences, ``checkpoints`` more for prefix checkpoints
+        (at most that many are kept; ``prefix`` is None without any) and ``moving_slots`` more for
+        checkpoints' copies to host in flight."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
                               config.head_dim, dtype, device) if self.attn_ordinal else None
-        self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints, *state_shapes(config), dtype,
-                                    device) if self.gdn_ordinal else None
+        self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints + moving_slots,
+                                    *state_shapes(config), dtype, device) if self.gdn_ordinal else None
         self.host_cache_bytes = host_cache_bytes  # for snapshots and host checkpoints together
         self.host_bytes_used = 0  # the snapshots'
-        self.prefix = PrefixCache(self.kv, self.states, checkpoints,
-                                  lambda: self.host_cache_bytes - self.host_bytes_used) if checkpoints else None
+        self.host = HostTier(self.kv, self.states, host_cache_bytes, torch.device(device)) \
+            if host_cache_bytes and (self.kv is not None or self.states is not None) else None
+        self.prefix = PrefixCache(self.kv, self.states, checkpoints, self.host,
+                                  lambda: self.host_cache_bytes - self.host_bytes_used,
+                                  moving_slots) if checkpoints else None
         self.padding_page: int | None = None  # held for padded rows of captured decode graphs
         self.padding_slot: int | None = None
 
@@ -204,57 +194,44 @@ class CacheManager:
             cache.slot = None
 
     # ------------------------------------------------------------------ pausing
-    def snapshot_bytes(self, cache: PagedSequenceCache) -> int:
-        kv = 0 if self.kv is None else len(cache.pages) * PagedKVPool.bytes_per_page(
-            len(self.attn_ordinal), self.kv.page_size, self.kv.keys.shape[3], self.kv.keys.shape[4],
-            self.kv.keys.dtype)
-        st = 0 if self.states is None else _nbytes(self.states.conv[:, 0], self.states.recurrent[:, 0])
-        return kv + st
-
-    def pause(self, cache: PagedSequenceCache) -> HostSnapshot | None:
+    def pause(self, cache: PagedSequenceCache) -> HostCopy | None:
         """Free the cache's device resources; a host snapshot when the budget allows (host
-        checkpoints dropped for its room), else None."""
+        checkpoints dropped for its room), else None. The copy is queued and the pages and slot
+        given back at once: what is queued next waits for the copy on the GPU."""
         snap = None
-        need = self.snapshot_bytes(cache)
-        if self.host_cache_bytes and self.host_bytes_used + need <= self.host_cache_bytes:
-            if self.prefix is not None:
-                self.prefix.shrink_host(self.host_cache_bytes - self.host_bytes_used - need)
-            idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device) if self.kv else None
-            snap = HostSnapshot(
-                keys=self.kv.keys[:, idx].to("cpu", copy=True) if self.kv else None,
-                values=self.kv.values[:, idx].to("cpu", copy=True) if self.kv else None,
-                conv=self.states.conv[:, cache.slot].to("cpu", copy=True) if self.states else None,
-                recurrent=self.states.recurrent[:, cache.slot].to("cpu", copy=True) if self.states else None,
-                nbytes=0,
-            )
-            snap.nbytes = _nbytes(snap.keys, snap.values, snap.conv, snap.recurrent)
-            self.host_bytes_used += snap.nbytes
+        if self.host is not None:
+            state = self.states is not None
+            need = self.host.nbytes(len(cache.pages), state)
+            if self.host_bytes_used + need <= self.host_cache_bytes:
+                if self.prefix is not None:
+                    self.prefix.shrink_host(self.host_cache_bytes - self.host_bytes_used - need)
+                ext = self.host.take(len(cache.pages), state)
+                while ext is None and self.prefix is not None and self.prefix.shrink_host(self.prefix.host_bytes - 1):
+                    ext = self.host.take(len(cache.pages), state)  # (no free run of the size: more go)
+                if ext is not None:
+                    snap = self.host.to_host(ext, cache.pages, cache.slot)
+                    self.host.wait_on_device(snap.event)
+                    self.host_bytes_used += snap.nbytes
         self.close(cache)
         return snap
 
-    def can_restore(self, snap: HostSnapshot) -> bool:
+    def can_restore(self, snap: HostCopy) -> bool:
         """Whether a snapshot's pages fit, counting those only prefix checkpoints hold (given up for it)."""
-        pages = 0 if snap.keys is None else snap.keys.shape[1]
-        return pages <= self.room() and (self.states is None or self.free_slots > 0)
+        return snap.num_pages <= self.room() and (self.states is None or self.free_slots > 0)
 
-    def restore(self, snap: HostSnapshot) -> PagedSequenceCache:
+    def restore(self, snap: HostCopy) -> PagedSequenceCache:
         cache = self.open()
         if self.kv is not None:
-            self._make_room(snap.keys.shape[1])
-            cache.pages = self.kv.allocate(snap.keys.shape[1])
-            idx = torch.tensor(cache.pages, dtype=torch.long, device=self.kv.keys.device)
-            self.kv.keys[:, idx] = snap.keys.to(self.kv.keys.device)
-            self.kv.values[:, idx] = snap.values.to(self.kv.values.device)
-        if self.states is not None:
-            self.states.conv[:, cache.slot] = snap.conv.to(self.states.conv.device)
-            self.states.recurrent[:, cache.slot] = snap.recurrent.to(self.states.recurrent.device)
+            self._make_room(snap.num_pages)
+            cache.pages = self.kv.allocate(snap.num_pages)
+        self.host.to_device(snap, cache.pages, cache.slot)
         self.discard(snap)
         return cache
 
-    def discard(self, snap: HostSnapshot | None) -> None:
-        if snap is not None:
+    def discard(self, snap: HostCopy | None) -> None:
+        if snap is not None and self.host is not None:
             self.host_bytes_used -= snap.nbytes
-            snap.nbytes = 0
+            self.host.give(snap)
 
 
 def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:

@@ -11,24 +11,27 @@ candidates, the token ids confirm them.
 Two tiers, a checkpoint in exactly one of them. At most ``max_entries`` are on the device; the
 least recently used one goes when its slot or pages are wanted, or for a newer one. It moves to
 host memory when the host budget has room for it (``host_room``: the budget shared with paused
-requests' snapshots, which come first), else it is dropped: the KV rows of its pages and its
-state slot are copied into host tensors, and its pages and slot go back to the pools. On CUDA
-the copy runs on a side stream behind the work queued so far, into pinned memory, and the pages
-and slot go back once its event has completed (``settle``, whenever pages or slots are wanted);
-on a CPU at once. Host checkpoints are matched like device ones and hold no page or slot; the
-least recently used go when the budget is short. One a request goes on from is promoted
+requests' snapshots, which come first; ``host.py``), else it is dropped: the KV rows of its pages
+and its state slot are copied into an extent of host memory, and its pages and slot go back to the
+pools. On CUDA the copy runs on a side stream behind the work queued so far, and the pages and
+slot go back once its event has completed (``settle``), or at once, with the GPU told to wait for
+the copy, where they are wanted sooner: the host never waits. A few state slots beyond the
+checkpoints' own are kept for copies in flight (``moving_slots``); an eviction while they are all
+in flight drops its checkpoint rather than wait (a burst of new conversations evicting each
+other's first checkpoints). On a CPU the copy is done at once. Host checkpoints are matched like
+device ones and hold no page or slot; the least recently used go when the budget is short. One a request goes on from is promoted
 (``promote``): pages and a slot taken, evicting device checkpoints, its tensors copied back, and
 it is a device checkpoint again. Nothing outlives the process.
 """
 from __future__ import annotations
 
 import itertools
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .host import HostCopy, HostTier
 from .kv_pool import PagedKVPool
 from .state_pool import StateSlotPool
 
@@ -51,19 +54,6 @@ def key_of(tokens: list[int], length: int, page_size: int, links: list[int]) -> 
 _order = itertools.count()
 
 
-@dataclass(eq=False)
-class HostCopy:
-    """A host checkpoint's state: the KV rows of the pages that covered it, its GDN states."""
-
-    keys: torch.Tensor | None  # [L_attn, pages, P, Hkv, D]
-    values: torch.Tensor | None
-    conv: torch.Tensor | None  # [L_gdn, W-1, C]
-    recurrent: torch.Tensor | None  # [L_gdn, Hv, K, V]
-    kv_bytes: int
-    state_bytes: int
-    event: torch.cuda.Event | None = None  # recorded after the copy from the device (CUDA only)
-
-
 @dataclass
 class Checkpoint:
     tokens: list[int]  # the ids before the checkpoint's position
@@ -81,13 +71,17 @@ class Checkpoint:
 
 class PrefixCache:
     def __init__(self, kv: PagedKVPool | None, states: StateSlotPool | None, max_entries: int,
-                 host_room: Callable[[], int] = lambda: 0) -> None:
-        """At most ``max_entries`` checkpoints on the device; ``host_room()``: the host bytes
-        checkpoints may hold now (0: no host tier)."""
+                 host: HostTier | None = None, host_room: Callable[[], int] = lambda: 0,
+                 moving_slots: int = 0) -> None:
+        """At most ``max_entries`` checkpoints on the device; ``host``: the host tier (None: none),
+        ``host_room()`` the host bytes checkpoints may hold now; ``moving_slots``: state slots
+        kept for copies to host in flight (an eviction beyond them drops its checkpoint)."""
         self.kv = kv
         self.states = states
         self.max_entries = max_entries
+        self.host = host
         self.host_room = host_room
+        self.moving_limit = moving_slots
         self.page_size = kv.page_size if kv is not None else 1
         self._entries: dict[int, Checkpoint] = {}  # on the device
         self._host: dict[int, Checkpoint] = {}  # in host memory; a key is in one table at most
@@ -95,17 +89,16 @@ class PrefixCache:
         # copies to host in flight, oldest first: their event, and the pages and slot they give back
         self._moving: list[tuple[torch.cuda.Event, list[int], int | None]] = []
         self._keep: Checkpoint | None = None  # the host checkpoint being promoted: not dropped for room
-        self._stream: torch.cuda.Stream | None = None  # the side stream of the copies (CUDA)
-        pool = kv.keys if kv is not None else states.conv if states is not None else None
-        self.device = pool.device if pool is not None else torch.device("cpu")
         self.page_bytes = 0 if kv is None else 2 * kv.keys[:, 0].numel() * kv.keys.element_size()
         self.slot_bytes = 0 if states is None else \
             states.conv[:, 0].numel() * states.conv.element_size() + \
             states.recurrent[:, 0].numel() * states.recurrent.element_size()
-        self.host_kv_bytes = 0  # what the host checkpoints hold
+        self.host_kv_bytes = 0  # the data the host checkpoints hold
         self.host_state_bytes = 0
+        self.host_bytes = 0  # the host memory they take (their extents)
         self.hits_gpu = 0  # requests that went on from a device checkpoint
         self.hits_host = 0  # from a host checkpoint (promoted)
+        self.dropped_moving = 0  # evictions dropped because copies to host were in flight already
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,9 +116,11 @@ class PrefixCache:
     def num_host(self) -> int:
         return len(self._host)
 
-    @property
-    def host_bytes(self) -> int:
-        return self.host_kv_bytes + self.host_state_bytes
+    def host_cost(self, length: int) -> int:
+        """The host memory a checkpoint of ``length`` tokens takes."""
+        if self.host is None:
+            return 0
+        return self.host.nbytes(-(-length // self.page_size) if self.kv is not None else 0, self.states is not None)
 
     def page_holds(self) -> dict[int, int]:
         """Page -> how many holds device checkpoints and copies in flight have on it (lists are
@@ -192,19 +187,27 @@ class PrefixCache:
 
     def evict_one(self) -> bool:
         """Move the least recently used device checkpoint to host memory, or drop it where the
-        host budget has no room for it; False when there is none."""
+        host budget has no room for it or as many copies to host as the slots kept for them are
+        in flight already (it is copied from its own pages and slot, which come back when the copy
+        is done: no wait); False when there is none."""
         if not self._entries:
             return False
         entry = min(self._entries.values(), key=lambda e: e.used)
-        if not self._host_fits(len(entry.pages) * self.page_bytes + self.slot_bytes, entry.used):
+        self.settle()
+        if entry.slot is not None and self._moving and self.moving_slots >= self.moving_limit:
+            if self.host is not None:
+                self.dropped_moving += 1
+            self._drop(entry)
+            return True
+        ext = self._host_extent(len(entry.pages), entry.used)
+        if ext is None:
             self._drop(entry)
             return True
         del self._entries[entry.key]
         pages, slot = entry.pages, entry.slot
-        entry.host, entry.pages, entry.slot = self._to_host(pages, slot), [], None
+        entry.host, entry.pages, entry.slot = self.host.to_host(ext, pages, slot), [], None
         self._host[entry.key] = entry
-        self.host_kv_bytes += entry.host.kv_bytes
-        self.host_state_bytes += entry.host.state_bytes
+        self._count_host(entry.host, 1)
         if entry.host.event is None:
             self._release(pages, slot)
         else:
@@ -218,21 +221,20 @@ class PrefixCache:
         if self._host.get(entry.key) is not entry:
             return False
         host = entry.host
-        pages = 0 if host.keys is None else host.keys.shape[1]
         self._keep = entry
         try:
             if len(self._entries) >= self.max_entries:
                 self.evict_one()
-            if not self.want(pages, 1 if self.states is not None else 0):
+            if not self.want(host.num_pages, 1 if self.states is not None else 0):
                 return False
         finally:
             self._keep = None
-        entry.pages = self.kv.allocate(pages) if self.kv is not None else []
+        entry.pages = self.kv.allocate(host.num_pages) if self.kv is not None else []
         entry.slot = self.states.acquire() if self.states is not None else None
-        self._to_device(host, entry.pages, entry.slot)
+        self.host.to_device(host, entry.pages, entry.slot)
         del self._host[entry.key]
-        self.host_kv_bytes -= host.kv_bytes
-        self.host_state_bytes -= host.state_bytes
+        self._count_host(host, -1)
+        self.host.give(host)
         entry.host = None
         self._entries[entry.key] = entry
         return True
@@ -246,31 +248,45 @@ class PrefixCache:
         """Drop every checkpoint of both tiers; every page, slot and host byte goes back."""
         for entry in self.entries + self.host_entries:
             self._drop(entry)
-        while self._moving:
-            self.settle(wait=True)
+        self.settle(wait=True)
 
     def shrink_host(self, limit: int) -> bool:
         """Drop least recently used host checkpoints until they hold at most ``limit`` bytes;
         whether they do."""
         while self.host_bytes > limit:
-            oldest = min((e for e in self._host.values() if e is not self._keep), key=lambda e: e.used, default=None)
-            if oldest is None:
+            if not self._drop_oldest_host():
                 return False
-            self._drop(oldest)
         return True
 
-    def _host_fits(self, nbytes: int, used: int) -> bool:
-        """Room in the host budget for ``nbytes`` more, made by dropping host checkpoints used
-        less recently than ``used``; whether there is."""
-        room = self.host_room()
-        if nbytes > room:
+    def _drop_oldest_host(self, older_than: int | None = None) -> bool:
+        """Drop the least recently used host checkpoint (one used before ``older_than``, if given);
+        whether there was one."""
+        oldest = min((e for e in self._host.values() if e is not self._keep), key=lambda e: e.used, default=None)
+        if oldest is None or (older_than is not None and oldest.used > older_than):
             return False
-        while self.host_bytes + nbytes > room:
-            oldest = min((e for e in self._host.values() if e is not self._keep), key=lambda e: e.used, default=None)
-            if oldest is None or oldest.used > used:
-                return False
-            self._drop(oldest)
+        self._drop(oldest)
         return True
+
+    def _host_extent(self, pages: int, used: int):
+        """Host memory for a copy of ``pages`` pages and a slot: room in the budget made by
+        dropping host checkpoints used less recently than ``used``; None where there is none."""
+        if self.host is None:
+            return None
+        nbytes = self.host.nbytes(pages, self.states is not None)
+        if nbytes > self.host_room():
+            return None
+        while True:
+            if self.host_bytes + nbytes <= self.host_room():
+                ext = self.host.take(pages, self.states is not None)
+                if ext is not None:
+                    return ext
+            if not self._drop_oldest_host(used):  # (or no free run of the size left between them)
+                return None
+
+    def _count_host(self, copy: HostCopy, sign: int) -> None:
+        self.host_kv_bytes += sign * copy.kv_bytes
+        self.host_state_bytes += sign * copy.state_bytes
+        self.host_bytes += sign * copy.nbytes
 
     def _drop(self, entry: Checkpoint) -> None:
         table = self._entries if entry.host is None else self._host
@@ -279,9 +295,9 @@ class PrefixCache:
         if not self._lengths[entry.length]:
             del self._lengths[entry.length]
         if entry.host is not None:
-            self.host_kv_bytes -= entry.host.kv_bytes
-            self.host_state_bytes -= entry.host.state_bytes
-            entry.host = None  # (pinned memory a copy still writes is kept until it is done)
+            self._count_host(entry.host, -1)
+            self.host.give(entry.host)
+            entry.host = None
         else:
             self._release(entry.pages, entry.slot)
 
@@ -294,78 +310,25 @@ class PrefixCache:
     # ------------------------------------------------------------------ pages and slots
     def want(self, pages: int = 0, slots: int = 0) -> bool:
         """Make ``pages`` KV pages and ``slots`` state slots free: the copies to host that have
-        completed give theirs back, then (while short) the oldest one in flight is waited for, then
-        least recently used device checkpoints go; whether they are free."""
+        completed give theirs back; while short, the oldest one in flight gives them back at once
+        (what is queued next waits for it on the GPU, the host does not), then least recently
+        used device checkpoints go; whether they are free."""
         self.settle()
         while (self.kv is not None and self.kv.num_free < pages) or \
                 (self.states is not None and self.states.num_free < slots):
             if self._moving:
-                self.settle(wait=True)
+                event, held, slot = self._moving.pop(0)
+                self.host.wait_on_device(event)
+                self._release(held, slot)
             elif not self.evict_one():
                 return False
         return True
 
     def settle(self, wait: bool = False) -> None:
         """Give the pools back the pages and slots of the copies to host that have completed
-        (with ``wait``: after waiting for the oldest). They complete in order: one stream."""
-        if wait and self._moving:
-            self._moving[0][0].synchronize()
-        while self._moving and self._moving[0][0].query():
-            _, pages, slot = self._moving.pop(0)
+        (with ``wait``: all of them, the host waiting). They complete in order: one stream."""
+        while self._moving and (wait or self._moving[0][0].query()):
+            event, pages, slot = self._moving.pop(0)
+            if wait:
+                event.synchronize()
             self._release(pages, slot)
-
-    # ------------------------------------------------------------------ copies between the tiers
-    def _side(self) -> tuple[torch.cuda.Stream | None, object]:
-        """The side stream (CUDA; None on a CPU), made to wait for the work queued so far, and a
-        context that runs on it."""
-        if self.device.type != "cuda":
-            return None, nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._stream, torch.cuda.stream(self._stream)
-
-    def _to_host(self, pages: list[int], slot: int | None) -> HostCopy:
-        """Copies of ``pages``' KV rows and ``slot``'s states in host memory: on CUDA queued on the
-        side stream into pinned memory (their event set), on a CPU done."""
-        stream, on_side = self._side()
-        pinned = stream is not None
-
-        def fetch(src: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
-            return out.copy_(src, non_blocking=pinned)
-
-        with on_side:
-            keys = values = conv = recurrent = None
-            if self.kv is not None:
-                idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-                keys, values = fetch(self.kv.keys[:, idx]), fetch(self.kv.values[:, idx])
-            if slot is not None:
-                conv, recurrent = fetch(self.states.conv[:, slot]), fetch(self.states.recurrent[:, slot])
-        copy = HostCopy(keys, values, conv, recurrent, len(pages) * self.page_bytes,
-                        0 if slot is None else self.slot_bytes)
-        if stream is not None:
-            copy.event = torch.cuda.Event()
-            copy.event.record(stream)
-        return copy
-
-    def _to_device(self, host: HostCopy, pages: list[int], slot: int | None) -> None:
-        """``host``'s tensors into ``pages`` and ``slot``: on CUDA from pinned memory on the side
-        stream (behind its own copy to host, if that is still in flight), the current stream
-        waiting for it before anything that reads them."""
-        stream, on_side = self._side()
-        pinned = stream is not None
-        with on_side:
-            if host.event is not None:
-                stream.wait_event(host.event)
-            if self.kv is not None:
-                idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-                self.kv.keys[:, idx] = host.keys.to(self.device, non_blocking=pinned)
-                self.kv.values[:, idx] = host.values.to(self.device, non_blocking=pinned)
-            if slot is not None:
-                self.states.conv[:, slot] = host.conv.to(self.device, non_blocking=pinned)
-                self.states.recurrent[:, slot] = host.recurrent.to(self.device, non_blocking=pinned)
-        if stream is not None:
-            done = torch.cuda.Event()
-            done.record(stream)
-            torch.cuda.current_stream(self.device).wait_event(done)

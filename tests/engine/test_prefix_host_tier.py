@@ -56,10 +56,13 @@ def test_two_conversations_taking_turns_go_on_from_host_memory(parts):
     g = take_snapshot(eng).gauges
     assert (g.prefix_checkpoints, g.prefix_host_checkpoints) == (1, prefix.num_host)
     assert (g.prefix_hits_gpu, g.prefix_hits_host) == (0, 4)
-    assert g.prefix_host_kv_bytes + g.prefix_host_state_bytes == eng.caches.host_checkpoint_bytes > 0
     pages = sum(-(-e.length // eng.caches.page_size) for e in prefix.host_entries)  # those covering each
-    assert g.prefix_host_kv_bytes == pages * prefix.page_bytes
+    assert g.prefix_host_kv_bytes == pages * prefix.page_bytes > 0  # the data they hold
     assert g.prefix_host_state_bytes == prefix.num_host * prefix.slot_bytes
+    # the host memory they take: an extent each, the data rounded up to whole 4 KiB
+    assert eng.caches.host_checkpoint_bytes == sum(prefix.host_cost(e.length) for e in prefix.host_entries)
+    assert 0 <= eng.caches.host_checkpoint_bytes - g.prefix_host_kv_bytes - g.prefix_host_state_bytes \
+        < prefix.num_host * 4 * 4096
     assert g.host_cache_bytes_used == 0  # the snapshots' share: none
     assert_all_given_back(eng)
 
@@ -83,7 +86,8 @@ def test_the_host_tier_keeps_the_most_recent_checkpoints_its_budget_holds(parts)
     checkpoints went computes it all."""
     eng = engine(parts, prefix_checkpoints=1)
     prefix = eng.caches.prefix
-    eng.caches.host_cache_bytes = 3 * (3 * prefix.page_bytes + prefix.slot_bytes)
+    eng.caches.host_cache_bytes = 3 * prefix.host_cost(40)
+    assert prefix.host_cost(40) == prefix.host_cost(43) > 3 * prefix.page_bytes + prefix.slot_bytes
     prompts = [[3 + (7 * i + j) % 90 for j in range(40)] for i in range(4)]
     answers = []
     for i, ids in enumerate(prompts):
