@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 from ..engine.async_engine import EngineError
 from ..engine.frontend.chat_template import TemplateError
 from ..engine.frontend.control_guard import guard_for
+from ..engine.frontend.tokenizer import GIL_SLICE, gil_slices
 from ..engine.frontend.reasoning import THINK_CLOSE, prompt_opens_reasoning
 from ..engine.frontend.tool_parser import ToolSpec
 from ..engine.outputs import RequestOutput
@@ -26,7 +27,6 @@ from .state import ServerState
 # Qwen's early-close guidance, committed when a thinking budget runs out; ends with the close marker.
 THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the solution based on "
                        "the thinking directly now.\n" + THINK_CLOSE + "\n\n")
-RELEASE_SLICE = 1 << 16  # ids freed at a time when a prompt is refused (about a millisecond)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
 # what chat_template_kwargs may not set: the conversation, the generation mode, special tokens
@@ -277,12 +277,12 @@ def check_context(state: ServerState, prompt_tokens: int, param: str = "messages
 
 def check_prompt(state: ServerState, ids: list[int], param: str = "messages") -> None:
     """``check_context`` for a prompt's ids. Those of a prompt that does not fit (millions, for a
-    long one) are let go of a slice at a time first: freed at once, they would hold the GIL (and
-    stall the event loop and the engine) for as long as it takes."""
+    long one) are let go of a slice at a time first (``gil_slices``): freed at once, they would
+    hold the GIL (and stall the event loop and the engine) for as long as it takes."""
     count = len(ids)
     if count >= state.max_context:
-        while ids:
-            del ids[-RELEASE_SLICE:]
+        for _ in gil_slices(count):
+            del ids[-GIL_SLICE:]
     check_context(state, count, param)
 
 

@@ -10,9 +10,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .tokenizer import Tokenizer
-
-LIST_SLICE = 1 << 16  # token ids turned into Python ints at a time (about a millisecond)
+from .tokenizer import GIL_SLICE, Tokenizer, gil_slices
 
 
 class QwenTiktokenTokenizer(Tokenizer):
@@ -55,7 +53,7 @@ class QwenTiktokenTokenizer(Tokenizer):
     def _encode(self, text: str, allowed: Any) -> list[int]:
         """The package's own steps (NFC, then its tiktoken ``Encoding``), through tiktoken's numpy
         buffer: the encoding runs without the GIL, and the Python ints of a long prompt (millions)
-        are made slice by slice, so other threads get the GIL in between."""
+        are made slice by slice, other threads taking the GIL in between (``gil_slices``)."""
         text = unicodedata.normalize("NFC", text)
         encoding = self._qwen._tokenizer
         try:
@@ -64,8 +62,8 @@ class QwenTiktokenTokenizer(Tokenizer):
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             ids = encoding.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
         out: list[int] = []
-        for start in range(0, len(ids), LIST_SLICE):
-            out += ids[start : start + LIST_SLICE].tolist()
+        for start in gil_slices(len(ids)):
+            out += ids[start : start + GIL_SLICE].tolist()
         return out
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -5,8 +5,25 @@ Sources: a checkpoint's ``tokenizer.json`` (HF ``tokenizers``), GGUF metadata (b
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Iterator, Sequence
+
+# Work on a long prompt's ids (millions of Python ints made or freed) runs in slices of this many,
+# each a fraction of a millisecond, with a pause between two in which the GIL goes to any thread
+# waiting for it (the engine's, the event loop): without it such a thread waits for the
+# interpreter's switch interval (5 ms) every time it wants the GIL back, many times per step.
+GIL_SLICE = 1 << 13
+GIL_PAUSE_S = 1e-4
+
+
+def gil_slices(total: int, size: int = GIL_SLICE) -> Iterator[int]:
+    """The start of each slice of ``size`` over ``total`` items, pausing between two (not before
+    the first: a short prompt, one slice, never pauses)."""
+    for start in range(0, total, size):
+        if start:
+            time.sleep(GIL_PAUSE_S)
+        yield start
 
 
 class Tokenizer(ABC):

@@ -2,8 +2,11 @@
 tokenized on worker threads while ``/health`` answers and two streams in flight keep their pace."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import statistics
+import sys
 import threading
 import time
 
@@ -137,3 +140,23 @@ def test_the_number_of_prepare_threads_is_a_setting():
     assert gateway_settings(build_parser().parse_args(["--prepare-threads", "3"]))["workers"].threads == 3
     with pytest.raises(ValueError, match="--prepare-threads must be >= 1"):
         gateway_settings(build_parser().parse_args(["--prepare-threads", "0"]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_prepare_threads_run_below_the_engine_and_the_event_loop():
+    """A long preparation takes the cores the engine and the event loop leave idle: its worker
+    threads run at a lower priority than the process."""
+    from ninfer.server.workers import PRIORITY_DROP, PrepareWorkers
+
+    workers = PrepareWorkers(2)
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    try:
+        worker_nice = asyncio.run(workers.run(nice_here))
+    finally:
+        workers.close()
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert worker_nice == min(19, own + PRIORITY_DROP) > own or own == 19
+    assert nice_here() == own  # the calling thread keeps its priority
