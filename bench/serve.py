@@ -1,9 +1,10 @@
 """Load through the HTTP server, next to the engine alone at the same batch, in one run.
 
     python -m bench.serve [--shape qwen3.5-9b | --model PATH] [--streams 1,4,16,64]
-                          [--prompt-tokens 200] [--output-tokens 256] [--rate R] [--turns K]
-                          [--turn-tokens N] [--temperature T] [--direct-steps 32] [--json FILE]
-                          [-- NINFER-SERVE FLAGS ...]
+                          [--prompt-tokens 200] [--prompt-tokens-max N] [--output-tokens 256]
+                          [--rate R] [--turns K] [--turn-tokens N] [--concurrency C]
+                          [--temperature T] [--preset documents] [--cache-ab]
+                          [--direct-steps 32] [--json FILE] [-- NINFER-SERVE FLAGS ...]
 
 Starts ``ninfer-serve`` on a free port with the flags after ``--`` (``--max-concurrency`` the
 largest stream count unless given): the embedded model by default, ``--model`` a checkpoint, or
@@ -13,7 +14,12 @@ server up, then sends that many sessions through ``/completion`` (``ignore_eos``
 chunk names its tokens), all at once or starting at ``--rate`` per second (Poisson); a session of
 ``--turns`` K sends the conversation again with the answer and a new user turn appended (the
 table then also shows the returning turns' time to first token and the share of their prompts
-that came from prefix checkpoints; ``-- --no-prefix-cache`` is the run without them). Then,
+that came from prefix checkpoints; ``-- --no-prefix-cache`` is the run without them);
+``--concurrency C`` keeps at most C requests in flight, the sessions taking turns, and
+``--prompt-tokens-max`` spreads the first prompts' lengths up to it. ``--preset documents`` is
+a document chat load: 12 conversations over documents of 8-28K tokens, 4 turns each, 3 requests
+at a time. ``--cache-ab`` runs the load twice, on a server with the flags given and on one with
+``--no-prefix-cache`` added, and prints both and their ratio. Then,
 with the server stopped, it builds the same model with the same engine settings in this process
 and times decode steps at the same batch, so the table reads the HTTP total against what the
 engine alone gives. It prints the table and writes JSON.
@@ -109,7 +115,7 @@ def direct_engine(argv: list[str]):
 
 
 def engine_direct(argv: list[str], prompts: dict[int, list[list[int]]], steps: int, temperature: float) -> dict:
-    """Per stream count: decode tok/s of the engine alone with that many of the run's prompts
+    """Per stream count: decode tok/s of the engine alone with the run's prompts given for it
     decoding (at most ``--max-concurrency``), ``steps`` steps timed after two warm ones."""
     from ninfer.engine.request import Request
     from ninfer.engine.sampling_params import SamplingParams
@@ -119,7 +125,7 @@ def engine_direct(argv: list[str], prompts: dict[int, list[list[int]]], steps: i
     engine, out = direct_engine(argv), {}
 
     def timed(streams: int, ids: list[list[int]]) -> dict:
-        batch = min(streams, engine.config.max_concurrency)
+        batch = min(len(ids), engine.config.max_concurrency)
         # the first request decodes while the later ones are prefilled, a step per chunk of theirs
         out_tokens = steps + 8 + sum(-(-len(p) // engine.config.step_tokens) + 1 for p in ids[:batch])
         reqs = [Request(f"direct-{streams}-{i}", p, SamplingParams(temperature=temperature, max_tokens=out_tokens,
@@ -198,6 +204,18 @@ def model_for(args: argparse.Namespace) -> str | None:
     return str(random_checkpoint(args.shape, path, vocab))
 
 
+# named loads: each sets the load's arguments the command line leaves unset
+PRESETS = {
+    # seed 003's document chat: 12 conversations over documents of 8-28K tokens, 4 turns each (a
+    # 64-token question after each 128-token answer), 3 requests at a time, so each conversation
+    # comes back after the 11 others have had a turn
+    "documents": {"streams": "12", "prompt_tokens": 8192, "prompt_tokens_max": 28672, "turns": 4,
+                  "turn_tokens": 64, "output_tokens": 128, "concurrency": 3},
+}
+DEFAULTS = {"streams": "1,4,16,64", "prompt_tokens": 200, "prompt_tokens_max": 0, "output_tokens": 256, "turns": 1,
+            "turn_tokens": 32, "concurrency": 0}
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This bench's arguments (each checked, or the parser's error) and the flags for the server."""
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -209,29 +227,74 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     which.add_argument("--model", help="checkpoint directory or .gguf file (default: the embedded model)")
     p.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "ninfer-bench-checkpoints"),
                    help="where --shape checkpoints are written and found again")
-    p.add_argument("--streams", default="1,4,16,64", help="concurrent sessions, one run each (comma-separated)")
-    p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named load (its arguments, unless given)")
+    p.add_argument("--streams", help="sessions, one run each (comma-separated; default 1,4,16,64)")
+    p.add_argument("--prompt-tokens", type=int, help="tokens of each session's first prompt (default 200)")
+    p.add_argument("--prompt-tokens-max", type=int, help="first prompts spread evenly up to this many tokens")
+    p.add_argument("--output-tokens", type=int, help="tokens of each answer (default 256)")
     p.add_argument("--rate", type=float, default=0.0, help="sessions started per second, Poisson (0: all at once)")
-    p.add_argument("--turns", type=int, default=1, help="requests per session, each with the conversation so far")
-    p.add_argument("--turn-tokens", type=int, default=32, help="tokens of each new user turn after the first")
+    p.add_argument("--turns", type=int, help="requests per session, each with the conversation so far (default 1)")
+    p.add_argument("--turn-tokens", type=int, help="tokens of each new user turn after the first (default 32)")
+    p.add_argument("--concurrency", type=int, help="requests in flight at most (default: every session's)")
+    p.add_argument("--cache-ab", action="store_true",
+                   help="run the load with the prefix cache and again with --no-prefix-cache, side by side")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, HTTP and engine alike")
     p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the warm-up round (0: none)")
     p.add_argument("--direct-steps", type=int, default=32, help="decode steps timed for the engine-direct figure")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server and for each chunk")
     p.add_argument("--json", default=None)
     args = p.parse_args(own)
+    for name, value in {**DEFAULTS, **PRESETS.get(args.preset, {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.cache_ab and any(a == "--no-prefix-cache" for a in extra):
+        p.error("--cache-ab runs the load without the prefix cache itself: leave --no-prefix-cache out")
     try:
         args.stream_counts = [int(x) for x in args.streams.split(",") if x.strip()]
         if not args.stream_counts or len(set(args.stream_counts)) != len(args.stream_counts):
             raise ValueError(f"--streams {args.streams!r}: give each stream count once")
         args.loads = [Load(n, args.prompt_tokens, args.output_tokens, args.turns, args.turn_tokens, args.rate,
-                           args.temperature, args.timeout) for n in args.stream_counts]
+                           args.temperature, args.timeout, args.concurrency, args.prompt_tokens_max)
+                      for n in args.stream_counts]
         if args.direct_steps < 1 or args.warmup_tokens < 0:
             raise ValueError("--direct-steps must be >= 1 and --warmup-tokens >= 0")
     except ValueError as exc:
         p.error(str(exc))
     return args, extra
+
+
+def serve_runs(argv_server: list[str], args: argparse.Namespace, label: str, device: str) -> tuple[list[dict], Server]:
+    """Every load of ``args`` through one server started with ``argv_server``."""
+    runs = []
+    server = Server(argv_server, args.timeout)
+    try:
+        print(f"{label} on {device}: ninfer-serve {' '.join(argv_server)}; prompts {args.prompt_tokens}"
+              f"{f'-{args.prompt_tokens_max}' if args.prompt_tokens_max else ''} tokens, {args.output_tokens} out, "
+              f"{f'{args.rate:g}/s' if args.rate else 'all at once'}, {args.turns} turn(s)"
+              f"{f', {args.concurrency} at a time' if args.concurrency else ''}", flush=True)
+        for load in args.loads:
+            runs.append(asyncio.run(measure(server.base_url, load, f"s{load.streams}", args.warmup_tokens)))
+            print(table(runs[-1:]).splitlines()[-1], flush=True)
+    finally:
+        server.stop()
+    return runs, server
+
+
+def ab_table(on: list[dict], off: list[dict]) -> str:
+    """The prefix cache's runs against those without it: each figure as on / off and their ratio."""
+    def cell(a: float | None, b: float | None, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+        if a is None or b is None:
+            return "-"
+        return f"{_fmt(a, unit, scale, digits)} / {_fmt(b, unit, scale, digits)} ({a / b:.2f}x)" if b else "-"
+
+    rows = ["| streams | total tok/s, cache on / off | TTFT p99 | ITL p99 | returning turns' TTFT mean |",
+            "|---|---|---|---|---|"]
+    for a, b in zip(on, off):
+        rows.append(f"| {a['streams']} | {cell(a['total_tok_s'], b['total_tok_s'], digits=1)} | "
+                    f"{cell(a['ttft_p99_s'], b['ttft_p99_s'], ' s', digits=3)} | "
+                    f"{cell(a['itl_p99_s'], b['itl_p99_s'], ' ms', 1e3, 1)} | "
+                    f"{cell(a.get('return_ttft_mean_s'), b.get('return_ttft_mean_s'), ' s', digits=3)} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,33 +304,40 @@ def main(argv: list[str] | None = None) -> int:
     argv_server = serve_argv(model, extra, args.stream_counts)
     device = device_name(argv_server)
     label = model or f"{EMBEDDED_MODEL_ID} (embedded)"
-    runs = []
-    server = Server(argv_server, args.timeout)
-    try:
-        print(f"{label} on {device}: ninfer-serve {' '.join(argv_server)}; prompts {args.prompt_tokens} tokens, "
-              f"{args.output_tokens} out, {f'{args.rate:g}/s' if args.rate else 'all at once'}, "
-              f"{args.turns} turn(s)", flush=True)
-        for load in args.loads:
-            runs.append(asyncio.run(measure(server.base_url, load, f"s{load.streams}", args.warmup_tokens)))
-            print(table(runs[-1:]).splitlines()[-1], flush=True)
-    finally:
-        server.stop()
-    prompts = {r["streams"]: r.pop("prompts") for r in runs}
+    runs, server = serve_runs(argv_server, args, label, device)
+    logs = [server.log.name]
+    off = None
+    if args.cache_ab:
+        off, off_server = serve_runs(argv_server + ["--no-prefix-cache"], args, label, device)
+        logs.append(off_server.log.name)
+    # the engine alone at the batch the load keeps in flight
+    prompts = {r["streams"]: r.pop("prompts")[: args.concurrency or None] for r in runs}
+    for r in off or []:
+        r.pop("prompts")
     direct = engine_direct(argv_server, prompts, args.direct_steps, args.temperature)
-    for r in runs:
+    for r in runs + (off or []):
         r["engine_direct"] = direct[r["streams"]]
         r["ratio"] = r["total_tok_s"] / r["engine_direct"]["tok_s"]
-    print("\n" + table(runs), flush=True)
+    if off is None:
+        print("\n" + table(runs), flush=True)
+    else:
+        print("\n### prefix cache on (the server's default)\n" + table(runs), flush=True)
+        print("\n### --no-prefix-cache\n" + table(off), flush=True)
+        print("\n### on against off\n" + ab_table(runs, off), flush=True)
     if args.json:
         report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "model": label, "device": device,
                   "torch": torch.__version__, "git": _git(), "command": ["python", "-m", "bench.serve", *given],
                   "server_command": server.command, "args": {k: v for k, v in vars(args).items() if k != "loads"},
                   "runs": runs}
+        if off is not None:
+            report["runs_without_prefix_cache"] = off
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-    if any(r["failed"] for r in runs):
-        print(f"failed requests: {sorted({e for r in runs for e in r['errors']})}; server log: {server.log.name}")
+    failed = [r for r in runs + (off or []) if r["failed"]]
+    if failed:
+        print(f"failed requests: {sorted({e for r in failed for e in r['errors']})}; server logs: {logs}")
         return 1
-    Path(server.log.name).unlink(missing_ok=True)
+    for log in logs:
+        Path(log).unlink(missing_ok=True)
     return 0
 
 

@@ -5,6 +5,7 @@ arrival all at once or as a Poisson process, and the figures of one run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -28,15 +29,30 @@ class Load:
     rate: float = 0.0  # sessions started per second, Poisson; 0: all at once
     temperature: float = 0.0
     timeout_s: float = 600.0  # longest wait for the next chunk of a stream
+    concurrency: int = 0  # requests in flight at most (0: every session's at once); the rest queue in order
+    prompt_tokens_max: int = 0  # first prompts spread evenly from prompt_tokens to this (0: all prompt_tokens)
 
     def __post_init__(self) -> None:
         for name in ("streams", "prompt_tokens", "turns", "turn_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.concurrency < 0:
+            raise ValueError(f"concurrency must be >= 0, got {self.concurrency}")
+        if self.prompt_tokens_max and self.prompt_tokens_max < self.prompt_tokens:
+            raise ValueError(f"prompt_tokens_max ({self.prompt_tokens_max}) must be >= prompt_tokens "
+                             f"({self.prompt_tokens})")
         if self.output_tokens < 2:
             raise ValueError(f"output_tokens must be >= 2 (a gap needs two tokens), got {self.output_tokens}")
         if self.rate < 0 or self.temperature < 0 or self.timeout_s <= 0:
             raise ValueError("rate and temperature must be >= 0, timeout_s > 0")
+
+    def first_prompt_tokens(self, session: int) -> int:
+        """Session ``session``'s first prompt length: ``prompt_tokens``, or spread evenly up to
+        ``prompt_tokens_max`` over the sessions."""
+        if not self.prompt_tokens_max or self.streams == 1:
+            return self.prompt_tokens
+        span = self.prompt_tokens_max - self.prompt_tokens
+        return self.prompt_tokens + round(span * session / (self.streams - 1))
 
 
 @dataclass
@@ -101,7 +117,7 @@ async def plan(client: httpx.AsyncClient, load: Load, tag: str) -> list[Session]
     for i in range(load.streams):
         if i and load.rate > 0:
             start += rng.expovariate(load.rate)
-        first = await prompt_ids(client, f"Session {tag}-{i}", load.prompt_tokens)
+        first = await prompt_ids(client, f"Session {tag}-{i}", load.first_prompt_tokens(i))
         follow = [await prompt_ids(client, f"\nTurn {tag}-{i}-{t}", load.turn_tokens) for t in range(1, load.turns)]
         sessions.append(Session(i, start, first, follow))
     return sessions
@@ -154,15 +170,18 @@ async def send(client: httpx.AsyncClient, rec: Record, ids: list[int], load: Loa
         rec.error = f"{got} tokens streamed, {final.get('tokens_predicted')} counted, {load.output_tokens} asked"
 
 
-async def converse(client: httpx.AsyncClient, s: Session, load: Load, t0: float) -> list[Record]:
+async def converse(client: httpx.AsyncClient, s: Session, load: Load, t0: float,
+                   slots: asyncio.Semaphore | None = None) -> list[Record]:
     """One session: each turn sends the conversation so far (prompt, answers and user turns, as
-    token ids) and appends the answer and the next user turn to it."""
+    token ids) and appends the answer and the next user turn to it. With ``slots``, each turn
+    waits for one (first come, first served: sessions take turns)."""
     await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
     conversation, records = list(s.prompt), []
     for turn in range(load.turns):
-        rec = Record(s.index, turn, time.perf_counter() - t0)
-        records.append(rec)
-        await send(client, rec, conversation, load, seed=s.index * load.turns + turn, t0=t0)
+        async with slots if slots is not None else contextlib.nullcontext():
+            rec = Record(s.index, turn, time.perf_counter() - t0)
+            records.append(rec)
+            await send(client, rec, conversation, load, seed=s.index * load.turns + turn, t0=t0)
         if rec.error is not None:
             break
         if turn + 1 < load.turns:
@@ -173,7 +192,8 @@ async def converse(client: httpx.AsyncClient, s: Session, load: Load, t0: float)
 async def run(client: httpx.AsyncClient, sessions: list[Session], load: Load) -> tuple[list[Record], float]:
     """Every session of ``sessions``; the records and the wall time from the start to the last end."""
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(converse(client, s, load, t0) for s in sessions))
+    slots = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    done = await asyncio.gather(*(converse(client, s, load, t0, slots) for s in sessions))
     return [r for rs in done for r in rs], time.perf_counter() - t0
 
 
@@ -185,8 +205,8 @@ async def measure(base_url: str, load: Load, tag: str, warmup_tokens: int) -> di
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         measured = await plan(client, load, tag)
         if warmup_tokens:
-            warm = Load(load.streams, load.prompt_tokens, max(warmup_tokens, 2), temperature=load.temperature,
-                        timeout_s=load.timeout_s)
+            warm = Load(min(load.streams, load.concurrency or load.streams), load.prompt_tokens,
+                        max(warmup_tokens, 2), temperature=load.temperature, timeout_s=load.timeout_s)
             await run(client, await plan(client, warm, f"warm-{tag}"), warm)
         records, wall = await run(client, measured, load)
     return {**summarize(records, wall, load), "prompts": [s.prompt for s in measured]}
@@ -214,6 +234,7 @@ def summarize(records: list[Record], wall: float, load: Load) -> dict:
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "ttft_max_s": max(ttft, default=None),
         "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99),
         "return_ttft_p50_s": _pct([r.ttft for r in returning], 50),
+        "return_ttft_mean_s": statistics.fmean([r.ttft for r in returning]) if returning else None,
         "return_cached_share": (sum(r.cached_tokens for r in returning) / max(sum(r.prompt_tokens for r in returning), 1)
                                 if returning else None),
         "requests_detail": [{"session": r.session, "turn": r.turn, "prompt_tokens": r.prompt_tokens,

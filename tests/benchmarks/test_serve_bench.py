@@ -87,6 +87,39 @@ def test_a_random_checkpoint_sized_to_the_tokenizer_serves_through_the_bench(tmp
     assert float(cells[0]) > 0 and cells[5].endswith("(b=2)")
 
 
+@pytest.mark.slow
+def test_cache_ab_runs_the_load_with_and_without_the_prefix_cache(tmp_path, capsys, monkeypatch):
+    """``--cache-ab``: the same sessions on a server with the prefix cache and on one without,
+    both tables and their ratios; ``--concurrency`` keeps that many requests in flight (the
+    sessions take turns) and ``--prompt-tokens-max`` spreads the first prompts' lengths."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "ab.json"
+    argv = ["--streams", "3", "--prompt-tokens", "16", "--prompt-tokens-max", "40", "--output-tokens", "6",
+            "--turns", "2", "--turn-tokens", "4", "--concurrency", "2", "--cache-ab", "--warmup-tokens", "0",
+            "--direct-steps", "2", "--json", str(out), "--", "--max-context", "512"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    (on,), (off,) = report["runs"], report["runs_without_prefix_cache"]
+    for run in (on, off):
+        assert run["failed"] == 0 and run["requests"] == 6
+        firsts = sorted((d["session"], d["prompt_tokens"]) for d in run["requests_detail"] if d["turn"] == 0)
+        assert firsts == [(0, 16), (1, 28), (2, 40)]
+        spans = sorted((d["sent_s"], d["done_s"]) for d in run["requests_detail"])
+        for sent, _ in spans:  # never more than two in flight
+            assert sum(s <= sent < d for s, d in spans) <= 2
+        assert run["engine_direct"]["batch"] == 2
+    returning = [d["cached_tokens"] for d in on["requests_detail"] if d["turn"] == 1]
+    assert sorted(returning) == [16 + 5, 28 + 5, 40 + 5]  # prompt + answer but its last token
+    assert all(d["cached_tokens"] == 0 for d in off["requests_detail"])
+    assert "--no-prefix-cache" not in report["server_command"]
+    ab = text[text.index("### on against off"):].splitlines()
+    (row,) = [line for line in ab if line.startswith("| 3 |")]
+    ratio = on["total_tok_s"] / off["total_tok_s"]
+    assert f"({ratio:.2f}x)" in row.split("|")[2]
+    assert "### --no-prefix-cache" in text
+
+
 @pytest.mark.parametrize("argv, why", [
     (["--streams", "0"], "streams must be >= 1"),
     (["--streams", "two"], "invalid literal"),
@@ -95,8 +128,26 @@ def test_a_random_checkpoint_sized_to_the_tokenizer_serves_through_the_bench(tmp
     (["--rate", "-1"], "rate and temperature must be >= 0"),
     (["--direct-steps", "0"], "--direct-steps must be >= 1"),
     (["--shape", "qwen3.5-9b", "--model", "x"], "not allowed with argument"),
+    (["--concurrency", "-1"], "concurrency must be >= 0"),
+    (["--prompt-tokens", "100", "--prompt-tokens-max", "50"], "must be >= prompt_tokens"),
+    (["--cache-ab", "--", "--no-prefix-cache"], "leave --no-prefix-cache out"),
+    (["--preset", "chat"], "invalid choice"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, why, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_documents_preset_is_the_document_chat_load_unless_told_otherwise():
+    from bench.serve import parse
+
+    args, _ = parse(["--preset", "documents"])
+    (load,) = args.loads
+    assert (load.streams, load.turns, load.concurrency) == (12, 4, 3)
+    assert [load.first_prompt_tokens(i) for i in (0, 11)] == [8192, 28672]
+    assert all(8192 <= load.first_prompt_tokens(i) <= 28672 for i in range(12))
+    args, _ = parse(["--preset", "documents", "--turns", "2"])
+    assert args.loads[0].turns == 2 and args.loads[0].concurrency == 3
+    args, _ = parse([])
+    assert [ld.streams for ld in args.loads] == [1, 4, 16, 64] and args.loads[0].concurrency == 0
