@@ -15,6 +15,7 @@ them. On a CPU the copies are done when the call returns.
 from __future__ import annotations
 
 import bisect
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ from .kv_pool import PagedKVPool
 from .state_pool import StateSlotPool
 
 ALIGN = 4096  # extents and the regions inside them start at multiples of this
-SLAB_BYTES = 256 << 20  # host memory is taken in slabs of this size (larger for a larger copy)
+SLAB_BYTES = 256 << 20  # host memory is taken in slabs of this size (larger for a larger unit)
+AHEAD_BYTES = 2 << 30  # free room kept pinned ahead of need (within the budget), by a helper thread
 
 
 def _round(n: int) -> int:
@@ -40,17 +42,22 @@ class Extent:
 
 
 class HostArena:
-    """Extents of host memory within ``budget`` bytes, from slabs taken as they are needed and
-    kept (first fit; freed extents merge with their free neighbours)."""
+    """Extents of host memory within ``budget`` bytes, from slabs that are kept (first fit; freed
+    extents merge with their free neighbours). On CUDA the slabs are pinned, which takes a while:
+    a helper thread keeps ``ahead`` bytes free ahead of need, so a copy seldom waits for one."""
 
-    def __init__(self, budget: int, pinned: bool, slab_bytes: int = SLAB_BYTES) -> None:
+    def __init__(self, budget: int, pinned: bool, slab_bytes: int = SLAB_BYTES, ahead: int = 0) -> None:
         self.budget = budget
         self.pinned = pinned
         self.slab_bytes = max(ALIGN, min(_round(slab_bytes), budget // ALIGN * ALIGN))
+        self.ahead = min(ahead, budget)
         self._slabs: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per slab: its free (offset, size), by offset
         self.allocated = 0  # bytes in slabs
         self.used = 0  # bytes in extents taken
+        self._lock = threading.Lock()  # slabs are added by the helper thread too
+        self._helper: threading.Thread | None = None
+        self.grow_ahead()
 
     @staticmethod
     def size_of(nbytes: int) -> int:
@@ -61,6 +68,16 @@ class HostArena:
         """An extent of at least ``nbytes``: from a slab's free room, else from a new slab while
         the budget allows; None where neither has room."""
         size = self.size_of(nbytes)
+        with self._lock:
+            ext = self._take_free(size)
+            if ext is None:
+                slab = self._slab_for(size)
+                if slab is not None:
+                    ext = self._extent(self._add(slab, size), 0, size)
+        self.grow_ahead()
+        return ext
+
+    def _take_free(self, size: int) -> Extent | None:
         for s, free in enumerate(self._free):
             for i, (off, n) in enumerate(free):
                 if n >= size:
@@ -69,15 +86,21 @@ class HostArena:
                     else:
                         free[i] = (off + size, n - size)
                     return self._extent(s, off, size)
+        return None
+
+    def _slab_for(self, size: int) -> int | None:
+        """The size of a new slab that holds ``size`` within the budget (None: none can)."""
         slab = max(self.slab_bytes, size)
         if self.allocated + slab > self.budget:
-            slab = size  # the budget's last room: no more than this copy needs
-            if self.allocated + slab > self.budget:
-                return None
-        self._slabs.append(torch.empty(slab, dtype=torch.uint8, pin_memory=self.pinned))
-        self._free.append([(size, slab - size)] if slab > size else [])
-        self.allocated += slab
-        return self._extent(len(self._slabs) - 1, 0, size)
+            slab = size  # the budget's last room: no more than this needs
+        return slab if self.allocated + slab <= self.budget else None
+
+    def _add(self, nbytes: int, taken: int = 0) -> int:
+        """A new slab of ``nbytes`` (its first ``taken`` bytes in use); its index. Under the lock."""
+        self._slabs.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned))
+        self._free.append([(taken, nbytes - taken)] if nbytes > taken else [])
+        self.allocated += nbytes
+        return len(self._slabs) - 1
 
     def _extent(self, slab: int, offset: int, size: int) -> Extent:
         self.used += size
@@ -85,95 +108,156 @@ class HostArena:
 
     def give(self, ext: Extent) -> None:
         """Return ``ext`` to its slab's free room (merged with free neighbours)."""
-        free = self._free[ext.slab]
-        i = bisect.bisect(free, (ext.offset, 0))
-        off, n = ext.offset, ext.size
-        if i < len(free) and free[i][0] == off + n:  # the free run after it
-            n += free.pop(i)[1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # the one before
-            off, n = free[i - 1][0], free[i - 1][1] + n
-            free[i - 1] = (off, n)
-        else:
-            free.insert(i, (off, n))
-        self.used -= ext.size
+        with self._lock:
+            free = self._free[ext.slab]
+            i = bisect.bisect(free, (ext.offset, 0))
+            off, n = ext.offset, ext.size
+            if i < len(free) and free[i][0] == off + n:  # the free run after it
+                n += free.pop(i)[1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # the one before
+                off, n = free[i - 1][0], free[i - 1][1] + n
+                free[i - 1] = (off, n)
+            else:
+                free.insert(i, (off, n))
+            self.used -= ext.size
+
+    # ------------------------------------------------------------------ growing ahead
+    def _short(self) -> bool:
+        return self.allocated - self.used < self.ahead and self.allocated + self.slab_bytes <= self.budget
+
+    def grow_ahead(self) -> None:
+        """Start the helper thread where fewer than ``ahead`` bytes are free and the budget has
+        room for another slab (it adds slabs until they are, then ends)."""
+        if self.ahead and self._short() and (self._helper is None or not self._helper.is_alive()):
+            self._helper = threading.Thread(target=self._grow, name="ninfer-host-memory", daemon=True)
+            self._helper.start()
+
+    def _grow(self) -> None:
+        while True:
+            with self._lock:
+                if not self._short():
+                    return
+            slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)  # (slow: unlocked)
+            with self._lock:
+                if self.allocated + self.slab_bytes > self.budget:
+                    return
+                self._slabs.append(slab)
+                self._free.append([(0, self.slab_bytes)])
+                self.allocated += self.slab_bytes
+
+    def wait_grown(self) -> None:
+        """Wait for the helper thread, if one runs (tests)."""
+        if self._helper is not None:
+            self._helper.join()
+
+
+@dataclass(eq=False)
+class KVPart:
+    """Pages ``start`` to ``start + count`` of a copy: their keys and values, in one extent."""
+
+    start: int
+    count: int
+    extent: Extent
+    keys: torch.Tensor  # [L_attn, count, P, Hkv, D]
+    values: torch.Tensor
 
 
 @dataclass(eq=False)
 class HostCopy:
-    """A sequence's state in host memory: the KV rows of its pages, its GDN states, in one extent."""
+    """A sequence's state in host memory: the KV rows of its pages (in parts of at most a slab)
+    and its GDN states (an extent of their own)."""
 
-    extent: Extent | None  # None once given back
-    keys: torch.Tensor | None  # [L_attn, pages, P, Hkv, D]
-    values: torch.Tensor | None
+    kv: list[KVPart]
+    state: Extent | None
     conv: torch.Tensor | None  # [L_gdn, W-1, C]
     recurrent: torch.Tensor | None  # [L_gdn, Hv, K, V]
-    kv_bytes: int  # the data it holds (its extent may be a little larger)
+    num_pages: int
+    kv_bytes: int  # the data it holds (its extents may be a little larger)
     state_bytes: int
     event: torch.cuda.Event | None = None  # recorded after the copy from the device (CUDA only)
+    released: bool = False
+
+    @property
+    def extents(self) -> list[Extent]:
+        return [p.extent for p in self.kv] + ([self.state] if self.state is not None else [])
 
     @property
     def nbytes(self) -> int:
         """The host memory it takes."""
-        return 0 if self.extent is None else self.extent.size
-
-    @property
-    def num_pages(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return 0 if self.released else sum(e.size for e in self.extents)
 
 
 class HostTier:
     """The host budget's arena and the copies of pages and state slots to and from it."""
 
     def __init__(self, kv: PagedKVPool | None, states: StateSlotPool | None, budget: int,
-                 device: torch.device) -> None:
+                 device: torch.device, slab_bytes: int = SLAB_BYTES) -> None:
         self.kv = kv
         self.states = states
         self.device = device
-        self.arena = HostArena(budget, pinned=device.type == "cuda")
+        cuda = device.type == "cuda"
+        self.arena = HostArena(budget, pinned=cuda, slab_bytes=slab_bytes, ahead=AHEAD_BYTES if cuda else 0)
         self.page_bytes = 0 if kv is None else 2 * kv.keys[:, 0].numel() * kv.keys.element_size()
-        self.slot_bytes = 0 if states is None else \
-            states.conv[:, 0].numel() * states.conv.element_size() + \
+        self.conv_bytes = 0 if states is None else states.conv[:, 0].numel() * states.conv.element_size()
+        self.recurrent_bytes = 0 if states is None else \
             states.recurrent[:, 0].numel() * states.recurrent.element_size()
+        self.slot_bytes = self.conv_bytes + self.recurrent_bytes
+        # pages per KV part: as many as one slab holds (at least one)
+        self.part_pages = max(1, self.arena.slab_bytes // max(self._kv_size(1), 1))
         self._stream: torch.cuda.Stream | None = None
 
     @property
     def budget(self) -> int:
         return self.arena.budget
 
+    def _kv_size(self, pages: int) -> int:
+        return 2 * _round(pages * self.page_bytes // 2)
+
+    def _parts(self, pages: int) -> list[tuple[int, int]]:
+        return [(s, min(self.part_pages, pages - s)) for s in range(0, pages, self.part_pages)]
+
     def nbytes(self, pages: int, state: bool) -> int:
         """Host memory a copy of ``pages`` KV pages (and a slot's states) takes."""
-        return self.arena.size_of(sum(_round(n) for n in self._regions(pages, state)))
+        kv = sum(self.arena.size_of(self._kv_size(n)) for _, n in self._parts(pages)) if self.kv is not None else 0
+        st = self.arena.size_of(_round(self.conv_bytes) + self.recurrent_bytes) if state and self.states else 0
+        return kv + st
 
-    def _regions(self, pages: int, state: bool) -> list[int]:
-        half = pages * self.page_bytes // 2
-        conv = rec = 0
-        if state and self.states is not None:
-            conv = self.states.conv[:, 0].numel() * self.states.conv.element_size()
-            rec = self.states.recurrent[:, 0].numel() * self.states.recurrent.element_size()
-        return [half, half, conv, rec]
-
-    def take(self, pages: int, state: bool) -> Extent | None:
-        return self.arena.take(self.nbytes(pages, state))
+    def take(self, pages: int, state: bool) -> HostCopy | None:
+        """Host memory for a copy of ``pages`` KV pages (and a slot's states), as the views it is
+        copied into; None (nothing taken) where the arena has no room for it."""
+        state = state and self.states is not None
+        parts = self._parts(pages) if self.kv is not None else []
+        sizes = [self._kv_size(n) for _, n in parts] + ([_round(self.conv_bytes) + self.recurrent_bytes] if state else [])
+        taken: list[Extent] = []
+        for n in sizes:
+            ext = self.arena.take(n)
+            if ext is None:
+                for e in taken:
+                    self.arena.give(e)
+                return None
+            taken.append(ext)
+        kv = []
+        for (start, count), ext in zip(parts, taken):
+            half, n = self._kv_size(count) // 2, count * self.page_bytes // 2
+            shape = (self.kv.keys.shape[0], count, *self.kv.keys.shape[2:])
+            kv.append(KVPart(start, count, ext, ext.data[:n].view(self.kv.keys.dtype).view(shape),
+                             ext.data[half : half + n].view(self.kv.keys.dtype).view(shape)))
+        st = conv = recurrent = None
+        if state:
+            st, at = taken[-1], _round(self.conv_bytes)
+            conv = st.data[: self.conv_bytes].view(self.states.conv.dtype).view(
+                self.states.conv.shape[0], *self.states.conv.shape[2:])
+            recurrent = st.data[at : at + self.recurrent_bytes].view(self.states.recurrent.dtype).view(
+                self.states.recurrent.shape[0], *self.states.recurrent.shape[2:])
+        return HostCopy(kv, st, conv, recurrent, pages, pages * self.page_bytes, self.slot_bytes if state else 0)
 
     def give(self, copy: HostCopy | None) -> None:
         """Give ``copy``'s host memory back (a copy still queued on the side stream is ordered
         before any later one that takes it)."""
-        if copy is not None and copy.extent is not None:
-            self.arena.give(copy.extent)
-            copy.extent = None
-
-    def _views(self, ext: Extent, pages: int, state: bool) -> list[torch.Tensor | None]:
-        out, offset = [], 0
-        shapes = [(self.kv, "keys"), (self.kv, "values"), (self.states, "conv"), (self.states, "recurrent")]
-        for (pool, name), n in zip(shapes, self._regions(pages, state)):
-            if pool is None or (name in ("conv", "recurrent") and not state):
-                out.append(None)
-                continue
-            src = getattr(pool, name)
-            shape = (src.shape[0], pages, *src.shape[2:]) if pool is self.kv else (src.shape[0], *src.shape[2:])
-            out.append(ext.data[offset : offset + n].view(src.dtype).view(shape))
-            offset += _round(n)
-        return out
+        if copy is not None and not copy.released:
+            for ext in copy.extents:
+                self.arena.give(ext)
+            copy.released = True
 
     # ------------------------------------------------------------------ copies
     def _side(self) -> tuple[torch.cuda.Stream | None, object]:
@@ -193,22 +277,22 @@ class HostTier:
             return idx
         return idx.pin_memory().to(self.device, non_blocking=True)
 
-    def to_host(self, ext: Extent, pages: list[int], slot: int | None) -> HostCopy:
-        """Copy ``pages``' KV rows and ``slot``'s states into extent ``ext`` (from ``take``): on
-        CUDA queued on the side stream (``event`` says when it is done), on a CPU done."""
+    def to_host(self, copy: HostCopy, pages: list[int], slot: int | None) -> HostCopy:
+        """Copy ``pages``' KV rows and ``slot``'s states into ``copy`` (from ``take``): on CUDA
+        queued on the side stream (``event`` says when it is done), on a CPU done."""
         stream, on_side = self._side()
-        keys, values, conv, recurrent = self._views(ext, len(pages), slot is not None)
+        async_ = stream is not None
         with on_side:
-            if keys is not None and pages:
+            if copy.kv:
                 idx = self._index(pages)
-                keys.copy_(self.kv.keys.index_select(1, idx), non_blocking=stream is not None)
-                values.copy_(self.kv.values.index_select(1, idx), non_blocking=stream is not None)
-            if conv is not None:
-                conv.copy_(self.states.conv[:, slot], non_blocking=stream is not None)
-                recurrent.copy_(self.states.recurrent[:, slot], non_blocking=stream is not None)
-        copy = HostCopy(ext, keys, values, conv, recurrent, len(pages) * self.page_bytes,
-                        0 if conv is None else self.slot_bytes)
-        if stream is not None:
+                for part in copy.kv:
+                    sub = idx[part.start : part.start + part.count]
+                    part.keys.copy_(self.kv.keys.index_select(1, sub), non_blocking=async_)
+                    part.values.copy_(self.kv.values.index_select(1, sub), non_blocking=async_)
+            if copy.conv is not None and slot is not None:
+                copy.conv.copy_(self.states.conv[:, slot], non_blocking=async_)
+                copy.recurrent.copy_(self.states.recurrent[:, slot], non_blocking=async_)
+        if async_:
             copy.event = torch.cuda.Event()
             copy.event.record(stream)
         return copy
@@ -218,15 +302,18 @@ class HostTier:
         own copy to host, if that is still in flight), the current stream waiting for them on
         the GPU before anything that reads them."""
         stream, on_side = self._side()
+        async_ = stream is not None
         with on_side:
-            if copy.keys is not None and pages:
+            if copy.kv:
                 idx = self._index(pages)
-                self.kv.keys.index_copy_(1, idx, copy.keys.to(self.device, non_blocking=stream is not None))
-                self.kv.values.index_copy_(1, idx, copy.values.to(self.device, non_blocking=stream is not None))
+                for part in copy.kv:
+                    sub = idx[part.start : part.start + part.count]
+                    self.kv.keys.index_copy_(1, sub, part.keys.to(self.device, non_blocking=async_))
+                    self.kv.values.index_copy_(1, sub, part.values.to(self.device, non_blocking=async_))
             if slot is not None and copy.conv is not None:
-                self.states.conv[:, slot] = copy.conv.to(self.device, non_blocking=stream is not None)
-                self.states.recurrent[:, slot] = copy.recurrent.to(self.device, non_blocking=stream is not None)
-        if stream is not None:
+                self.states.conv[:, slot] = copy.conv.to(self.device, non_blocking=async_)
+                self.states.recurrent[:, slot] = copy.recurrent.to(self.device, non_blocking=async_)
+        if async_:
             done = torch.cuda.Event()
             done.record(stream)
             torch.cuda.current_stream(self.device).wait_event(done)

@@ -205,11 +205,11 @@ class CacheManager:
             if self.host_bytes_used + need <= self.host_cache_bytes:
                 if self.prefix is not None:
                     self.prefix.shrink_host(self.host_cache_bytes - self.host_bytes_used - need)
-                ext = self.host.take(len(cache.pages), state)
-                while ext is None and self.prefix is not None and self.prefix.shrink_host(self.prefix.host_bytes - 1):
-                    ext = self.host.take(len(cache.pages), state)  # (no free run of the size: more go)
-                if ext is not None:
-                    snap = self.host.to_host(ext, cache.pages, cache.slot)
+                room = self.host.take(len(cache.pages), state)
+                while room is None and self.prefix is not None and self.prefix.shrink_host(self.prefix.host_bytes - 1):
+                    room = self.host.take(len(cache.pages), state)  # (no free run of the size: more go)
+                if room is not None:
+                    snap = self.host.to_host(room, cache.pages, cache.slot)
                     self.host.wait_on_device(snap.event)
                     self.host_bytes_used += snap.nbytes
         self.close(cache)

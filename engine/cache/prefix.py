@@ -199,13 +199,13 @@ class PrefixCache:
                 self.dropped_moving += 1
             self._drop(entry)
             return True
-        ext = self._host_extent(len(entry.pages), entry.used)
-        if ext is None:
+        room = self._host_room_for(len(entry.pages), entry.used)
+        if room is None:
             self._drop(entry)
             return True
         del self._entries[entry.key]
         pages, slot = entry.pages, entry.slot
-        entry.host, entry.pages, entry.slot = self.host.to_host(ext, pages, slot), [], None
+        entry.host, entry.pages, entry.slot = self.host.to_host(room, pages, slot), [], None
         self._host[entry.key] = entry
         self._count_host(entry.host, 1)
         if entry.host.event is None:
@@ -267,7 +267,7 @@ class PrefixCache:
         self._drop(oldest)
         return True
 
-    def _host_extent(self, pages: int, used: int):
+    def _host_room_for(self, pages: int, used: int) -> HostCopy | None:
         """Host memory for a copy of ``pages`` pages and a slot: room in the budget made by
         dropping host checkpoints used less recently than ``used``; None where there is none."""
         if self.host is None:
@@ -277,9 +277,9 @@ class PrefixCache:
             return None
         while True:
             if self.host_bytes + nbytes <= self.host_room():
-                ext = self.host.take(pages, self.states is not None)
-                if ext is not None:
-                    return ext
+                room = self.host.take(pages, self.states is not None)
+                if room is not None:
+                    return room
             if not self._drop_oldest_host(used):  # (or no free run of the size left between them)
                 return None
 

@@ -1,0 +1,98 @@
+"""Host memory for state moved off the device: extents of slabs that are kept and reused, within
+the budget; copies of pages and state slots that come back exactly, in parts no larger than a slab."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.engine.cache.host import ALIGN, HostArena, HostTier
+from ninfer.engine.cache.kv_pool import PagedKVPool
+from ninfer.engine.cache.state_pool import StateSlotPool
+
+MIB = 1 << 20
+
+
+def test_extents_come_from_kept_slabs_first_fit_and_merge_when_given_back():
+    arena = HostArena(budget=4 * MIB, pinned=False, slab_bytes=MIB)
+    a, b, c = arena.take(100), arena.take(ALIGN + 1), arena.take(3000)
+    assert (a.size, b.size, c.size) == (ALIGN, 2 * ALIGN, ALIGN)
+    assert (a.slab, a.offset, b.offset, c.offset) == (0, 0, ALIGN, 3 * ALIGN)
+    assert arena.allocated == MIB and arena.used == 4 * ALIGN
+    arena.give(a)
+    arena.give(b)  # merges with a's room: one run of three blocks at the start
+    d = arena.take(3 * ALIGN)
+    assert (d.slab, d.offset) == (0, 0)
+    arena.give(c)
+    arena.give(d)
+    assert arena.used == 0 and arena.allocated == MIB  # kept for the next copies
+    whole = arena.take(MIB)
+    assert (whole.slab, whole.offset) == (0, 0)  # everything merged back into one free run
+    big = arena.take(2 * MIB + 1)  # larger than a slab: a slab of its own
+    assert big.slab == 1 and arena.allocated == MIB + 2 * MIB + ALIGN
+    assert arena.take(MIB) is None  # the budget holds no other slab of a MiB
+    last = arena.take(MIB - 2 * ALIGN)  # but the last of it, sized to fit
+    assert last is not None and arena.allocated <= arena.budget
+
+
+def test_a_helper_thread_keeps_room_free_ahead_of_need():
+    arena = HostArena(budget=8 * MIB, pinned=False, slab_bytes=MIB, ahead=3 * MIB)
+    arena.wait_grown()
+    assert arena.allocated == 3 * MIB and arena.used == 0  # ready before the first copy
+    exts = [arena.take(MIB) for _ in range(3)]
+    arena.wait_grown()
+    assert all(e is not None for e in exts) and arena.allocated - arena.used >= 3 * MIB
+    more = [arena.take(MIB) for _ in range(5)]
+    arena.wait_grown()
+    assert all(e is not None for e in more) and arena.allocated == 8 * MIB  # never past the budget
+    assert arena.take(1) is None
+
+
+def _pools(pages: int = 16, slots: int = 3):
+    g = torch.Generator().manual_seed(0)
+    kv = PagedKVPool(2, pages, 64, 2, 32, torch.bfloat16, "cpu")  # 16 KiB of keys a page
+    kv.keys.copy_(torch.randn(kv.keys.shape, generator=g))
+    kv.values.copy_(torch.randn(kv.values.shape, generator=g))
+    states = StateSlotPool(3, slots, (3, 20), (2, 4, 4), torch.bfloat16, "cpu")
+    states.conv.copy_(torch.randn(states.conv.shape, generator=g))
+    states.recurrent.copy_(torch.randn(states.recurrent.shape, generator=g))
+    return kv, states
+
+
+def test_a_copy_larger_than_a_slab_goes_in_parts_and_comes_back_exactly():
+    kv, states = _pools()
+    page = 2 * kv.keys[:, 0].numel() * 2
+    tier = HostTier(kv, states, budget=MIB, device=torch.device("cpu"), slab_bytes=3 * page)
+    assert tier.part_pages == 3
+    src = [9, 2, 4, 11, 0, 7, 5]
+    copy = tier.take(len(src), state=True)
+    assert [(p.start, p.count) for p in copy.kv] == [(0, 3), (3, 3), (6, 1)]
+    assert copy.kv_bytes == 7 * page and copy.state_bytes == tier.slot_bytes
+    assert copy.nbytes == tier.nbytes(7, True) == tier.arena.used
+    tier.to_host(copy, src, slot=1)
+    dst = [1, 3, 6, 8, 10, 12, 13]
+    tier.to_device(copy, dst, slot=2)
+    assert torch.equal(kv.keys[:, dst], kv.keys[:, src]) and torch.equal(kv.values[:, dst], kv.values[:, src])
+    assert torch.equal(states.conv[:, 2], states.conv[:, 1])
+    assert torch.equal(states.recurrent[:, 2], states.recurrent[:, 1])
+    tier.give(copy)
+    tier.give(copy)  # a second time changes nothing
+    assert tier.arena.used == 0 and copy.nbytes == 0
+
+
+def test_a_copy_the_budget_cannot_hold_takes_nothing():
+    kv, states = _pools()
+    tier = HostTier(kv, states, budget=8 * ALIGN, device=torch.device("cpu"), slab_bytes=8 * ALIGN)
+    assert tier.take(16, state=True) is None
+    assert tier.arena.used == 0  # the parts that fitted were given back
+    small = tier.take(1, state=False)
+    assert small is not None and small.conv is None and small.state_bytes == 0
+
+
+@pytest.mark.parametrize("state", [True, False])
+def test_the_bytes_a_copy_takes_are_known_before_it_is_taken(state):
+    kv, states = _pools()
+    tier = HostTier(kv, states, budget=MIB, device=torch.device("cpu"), slab_bytes=5 * ALIGN)
+    for pages in (1, 3, 7):
+        copy = tier.take(pages, state)
+        assert copy.nbytes == tier.nbytes(pages, state)
+        tier.give(copy)
