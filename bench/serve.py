@@ -16,7 +16,8 @@ chunk names its tokens), all at once or starting at ``--rate`` per second (Poiss
 table then also shows the returning turns' time to first token and the share of their prompts
 that came from prefix checkpoints; ``-- --no-prefix-cache`` is the run without them);
 ``--concurrency C`` keeps at most C requests in flight, the sessions taking turns, and
-``--prompt-tokens-max`` spreads the first prompts' lengths up to it. ``--preset documents`` is
+``--prompt-tokens-max`` spreads the first prompts' lengths up to it; ``--shared-tokens N`` begins
+every first prompt with the same N tokens (sessions sent together with one long system prompt). ``--preset documents`` is
 a document chat load: 12 conversations over documents of 8-28K tokens, 4 turns each, 3 requests
 at a time. ``--cache-ab`` runs the load twice, on a server with the flags given and on one with
 ``--no-prefix-cache`` added, and prints both and their ratio. Then,
@@ -236,6 +237,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--turns", type=int, help="requests per session, each with the conversation so far (default 1)")
     p.add_argument("--turn-tokens", type=int, help="tokens of each new user turn after the first (default 32)")
     p.add_argument("--concurrency", type=int, help="requests in flight at most (default: every session's)")
+    p.add_argument("--shared-tokens", type=int, default=0,
+                   help="every session's first prompt begins with the same this many tokens (a system prompt)")
     p.add_argument("--cache-ab", action="store_true",
                    help="run the load with the prefix cache and again with --no-prefix-cache, side by side")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, HTTP and engine alike")
@@ -254,7 +257,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if not args.stream_counts or len(set(args.stream_counts)) != len(args.stream_counts):
             raise ValueError(f"--streams {args.streams!r}: give each stream count once")
         args.loads = [Load(n, args.prompt_tokens, args.output_tokens, args.turns, args.turn_tokens, args.rate,
-                           args.temperature, args.timeout, args.concurrency, args.prompt_tokens_max)
+                           args.temperature, args.timeout, args.concurrency, args.prompt_tokens_max,
+                           args.shared_tokens)
                       for n in args.stream_counts]
         if args.direct_steps < 1 or args.warmup_tokens < 0:
             raise ValueError("--direct-steps must be >= 1 and --warmup-tokens >= 0")
@@ -287,10 +291,11 @@ def ab_table(on: list[dict], off: list[dict]) -> str:
             return "-"
         return f"{_fmt(a, unit, scale, digits)} / {_fmt(b, unit, scale, digits)} ({a / b:.2f}x)" if b else "-"
 
-    rows = ["| streams | total tok/s, cache on / off | TTFT p99 | ITL p99 | returning turns' TTFT mean |",
-            "|---|---|---|---|---|"]
+    rows = ["| streams | total tok/s, cache on / off | wall | TTFT p99 | ITL p99 | returning turns' TTFT mean |",
+            "|---|---|---|---|---|---|"]
     for a, b in zip(on, off):
         rows.append(f"| {a['streams']} | {cell(a['total_tok_s'], b['total_tok_s'], digits=1)} | "
+                    f"{cell(a['wall_s'], b['wall_s'], ' s')} | "
                     f"{cell(a['ttft_p99_s'], b['ttft_p99_s'], ' s', digits=3)} | "
                     f"{cell(a['itl_p99_s'], b['itl_p99_s'], ' ms', 1e3, 1)} | "
                     f"{cell(a.get('return_ttft_mean_s'), b.get('return_ttft_mean_s'), ' s', digits=3)} |")

@@ -31,13 +31,14 @@ class Load:
     timeout_s: float = 600.0  # longest wait for the next chunk of a stream
     concurrency: int = 0  # requests in flight at most (0: every session's at once); the rest queue in order
     prompt_tokens_max: int = 0  # first prompts spread evenly from prompt_tokens to this (0: all prompt_tokens)
+    shared_tokens: int = 0  # every first prompt begins with the same this many tokens (a system prompt)
 
     def __post_init__(self) -> None:
         for name in ("streams", "prompt_tokens", "turns", "turn_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.concurrency < 0:
-            raise ValueError(f"concurrency must be >= 0, got {self.concurrency}")
+        if self.concurrency < 0 or self.shared_tokens < 0:
+            raise ValueError(f"concurrency and shared_tokens must be >= 0, got {self.concurrency}, {self.shared_tokens}")
         if self.prompt_tokens_max and self.prompt_tokens_max < self.prompt_tokens:
             raise ValueError(f"prompt_tokens_max ({self.prompt_tokens_max}) must be >= prompt_tokens "
                              f"({self.prompt_tokens})")
@@ -114,10 +115,11 @@ async def prompt_ids(client: httpx.AsyncClient, tag: str, n: int) -> list[int]:
 async def plan(client: httpx.AsyncClient, load: Load, tag: str) -> list[Session]:
     """Every session's prompts (tokenized before anything is timed) and start time."""
     rng, start, sessions = random.Random(f"{tag}/arrivals"), 0.0, []
+    shared = await prompt_ids(client, f"System {tag}", load.shared_tokens) if load.shared_tokens else []
     for i in range(load.streams):
         if i and load.rate > 0:
             start += rng.expovariate(load.rate)
-        first = await prompt_ids(client, f"Session {tag}-{i}", load.first_prompt_tokens(i))
+        first = shared + await prompt_ids(client, f"Session {tag}-{i}", load.first_prompt_tokens(i))
         follow = [await prompt_ids(client, f"\nTurn {tag}-{i}-{t}", load.turn_tokens) for t in range(1, load.turns)]
         sessions.append(Session(i, start, first, follow))
     return sessions

@@ -95,7 +95,8 @@ def test_cache_ab_runs_the_load_with_and_without_the_prefix_cache(tmp_path, caps
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "ab.json"
     argv = ["--streams", "3", "--prompt-tokens", "16", "--prompt-tokens-max", "40", "--output-tokens", "6",
-            "--turns", "2", "--turn-tokens", "4", "--concurrency", "2", "--cache-ab", "--warmup-tokens", "0",
+            "--turns", "2", "--turn-tokens", "4", "--concurrency", "2", "--shared-tokens", "20", "--cache-ab",
+            "--warmup-tokens", "0",
             "--direct-steps", "2", "--json", str(out), "--", "--max-context", "512"]
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -104,19 +105,20 @@ def test_cache_ab_runs_the_load_with_and_without_the_prefix_cache(tmp_path, caps
     for run in (on, off):
         assert run["failed"] == 0 and run["requests"] == 6
         firsts = sorted((d["session"], d["prompt_tokens"]) for d in run["requests_detail"] if d["turn"] == 0)
-        assert firsts == [(0, 16), (1, 28), (2, 40)]
+        assert firsts == [(0, 20 + 16), (1, 20 + 28), (2, 20 + 40)]  # the shared system part first
         spans = sorted((d["sent_s"], d["done_s"]) for d in run["requests_detail"])
         for sent, _ in spans:  # never more than two in flight
             assert sum(s <= sent < d for s, d in spans) <= 2
         assert run["engine_direct"]["batch"] == 2
     returning = [d["cached_tokens"] for d in on["requests_detail"] if d["turn"] == 1]
-    assert sorted(returning) == [16 + 5, 28 + 5, 40 + 5]  # prompt + answer but its last token
+    assert sorted(returning) == [20 + 16 + 5, 20 + 28 + 5, 20 + 40 + 5]  # prompt + answer but its last token
     assert all(d["cached_tokens"] == 0 for d in off["requests_detail"])
     assert "--no-prefix-cache" not in report["server_command"]
     ab = text[text.index("### on against off"):].splitlines()
     (row,) = [line for line in ab if line.startswith("| 3 |")]
     ratio = on["total_tok_s"] / off["total_tok_s"]
     assert f"({ratio:.2f}x)" in row.split("|")[2]
+    assert f"({on['wall_s'] / off['wall_s']:.2f}x)" in row.split("|")[3]
     assert "### --no-prefix-cache" in text
 
 
@@ -128,7 +130,8 @@ def test_cache_ab_runs_the_load_with_and_without_the_prefix_cache(tmp_path, caps
     (["--rate", "-1"], "rate and temperature must be >= 0"),
     (["--direct-steps", "0"], "--direct-steps must be >= 1"),
     (["--shape", "qwen3.5-9b", "--model", "x"], "not allowed with argument"),
-    (["--concurrency", "-1"], "concurrency must be >= 0"),
+    (["--concurrency", "-1"], "concurrency and shared_tokens must be >= 0"),
+    (["--shared-tokens", "-1"], "concurrency and shared_tokens must be >= 0"),
     (["--prompt-tokens", "100", "--prompt-tokens-max", "50"], "must be >= prompt_tokens"),
     (["--cache-ab", "--", "--no-prefix-cache"], "leave --no-prefix-cache out"),
     (["--preset", "chat"], "invalid choice"),
