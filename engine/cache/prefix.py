@@ -19,9 +19,10 @@ the copy, where they are wanted sooner: the host never waits. A few state slots 
 checkpoints' own are kept for copies in flight (``moving_slots``); an eviction while they are all
 in flight drops its checkpoint rather than wait (a burst of new conversations evicting each
 other's first checkpoints). On a CPU the copy is done at once. Host checkpoints are matched like
-device ones and hold no page or slot; the least recently used go when the budget is short. One a request goes on from is promoted
-(``promote``): pages and a slot taken, evicting device checkpoints, its tensors copied back, and
-it is a device checkpoint again. Nothing outlives the process.
+device ones and hold no page or slot; the least recently used go when the budget is short. One
+a request goes on from is promoted (``promote``): pages and a slot taken, evicting device
+checkpoints, its tensors copied back, and it is a device checkpoint again. Nothing outlives the
+process.
 """
 from __future__ import annotations
 
