@@ -38,7 +38,8 @@ DTYPE = torch.bfloat16
 
 class NullTokenizer:
     """Token ids only: the bench measures the engine, not text; every id of the model's
-    vocabulary decodes (to nothing)."""
+    vocabulary decodes (to one character: text that never completes would make the detokenizer
+    hold every token and decode the whole answer again at each one)."""
 
     bos_token = eos_token = None
     bos_token_id = eos_token_id = None
@@ -50,7 +51,7 @@ class NullTokenizer:
         return []
 
     def decode(self, ids):
-        return ""
+        return "x" * len(ids)  # a character a token: the detokenizer emits each at once, as with real text
 
     def token_to_id(self, token):
         return None

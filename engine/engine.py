@@ -87,6 +87,12 @@ class LLMEngine:
             self.caches.prefix.hits_gpu = self.caches.prefix.hits_host = 0
         self.scheduler.stats = type(self.scheduler.stats)()
         self.counters = EngineCounters()  # the warm-up is not the server's work
+        self.caches.grow_host()  # the first slab of host memory, pinned before any request
+
+    def idle_work(self) -> bool:
+        """Work that waits for the engine to have none (the loop calls it before it waits for a
+        request, again while it returns True): a slab of host memory pinned ahead of need."""
+        return self.caches.grow_host()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:

@@ -75,7 +75,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work)
+                idle = not self.engine.has_work
+                self._drain(block=idle and not self.engine.idle_work())
                 if self.engine.has_work:
                     for out in self.engine.step():
                         self._publish(out)

@@ -15,7 +15,6 @@ them. On a CPU the copies are done when the call returns.
 from __future__ import annotations
 
 import bisect
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from .state_pool import StateSlotPool
 
 ALIGN = 4096  # extents and the regions inside them start at multiples of this
 SLAB_BYTES = 256 << 20  # host memory is taken in slabs of this size (larger for a larger unit)
-AHEAD_BYTES = 2 << 30  # free room kept pinned ahead of need (within the budget), by a helper thread
+AHEAD_BYTES = 2 << 30  # free room pinned ahead of need (within the budget), while the engine is idle
 
 
 def _round(n: int) -> int:
@@ -43,8 +42,12 @@ class Extent:
 
 class HostArena:
     """Extents of host memory within ``budget`` bytes, from slabs that are kept (first fit; freed
-    extents merge with their free neighbours). On CUDA the slabs are pinned, which takes a while:
-    a helper thread keeps ``ahead`` bytes free ahead of need, so a copy seldom waits for one."""
+    extents merge with their free neighbours). Pinned slabs (CUDA) take a while to allocate, and
+    while the driver pins one no other CUDA call of the process goes on (measured on an H200:
+    256 MiB in 156 ms, kernel launches on another thread held the whole time), so with ``ahead``
+    set (CUDA) they are not taken in the middle of serving: ``grow`` adds one while the engine
+    is idle, up to ``ahead`` bytes free, and ``take`` makes a slab itself only for the first one.
+    Without it (CPU: plain memory) a slab is taken whenever a copy needs one."""
 
     def __init__(self, budget: int, pinned: bool, slab_bytes: int = SLAB_BYTES, ahead: int = 0) -> None:
         self.budget = budget
@@ -55,9 +58,6 @@ class HostArena:
         self._free: list[list[tuple[int, int]]] = []  # per slab: its free (offset, size), by offset
         self.allocated = 0  # bytes in slabs
         self.used = 0  # bytes in extents taken
-        self._lock = threading.Lock()  # slabs are added by the helper thread too
-        self._helper: threading.Thread | None = None
-        self.grow_ahead()
 
     @staticmethod
     def size_of(nbytes: int) -> int:
@@ -65,19 +65,9 @@ class HostArena:
         return _round(max(nbytes, 1))
 
     def take(self, nbytes: int) -> Extent | None:
-        """An extent of at least ``nbytes``: from a slab's free room, else from a new slab while
-        the budget allows; None where neither has room."""
+        """An extent of at least ``nbytes``: from a slab's free room, else (without ``ahead``, or
+        the first slab) from a new slab while the budget allows; None where neither has room."""
         size = self.size_of(nbytes)
-        with self._lock:
-            ext = self._take_free(size)
-            if ext is None:
-                slab = self._slab_for(size)
-                if slab is not None:
-                    ext = self._extent(self._add(slab, size), 0, size)
-        self.grow_ahead()
-        return ext
-
-    def _take_free(self, size: int) -> Extent | None:
         for s, free in enumerate(self._free):
             for i, (off, n) in enumerate(free):
                 if n >= size:
@@ -86,17 +76,17 @@ class HostArena:
                     else:
                         free[i] = (off + size, n - size)
                     return self._extent(s, off, size)
-        return None
-
-    def _slab_for(self, size: int) -> int | None:
-        """The size of a new slab that holds ``size`` within the budget (None: none can)."""
+        if self.ahead and self._slabs:
+            return None
         slab = max(self.slab_bytes, size)
         if self.allocated + slab > self.budget:
             slab = size  # the budget's last room: no more than this needs
-        return slab if self.allocated + slab <= self.budget else None
+            if self.allocated + slab > self.budget:
+                return None
+        return self._extent(self._add(slab, size), 0, size)
 
     def _add(self, nbytes: int, taken: int = 0) -> int:
-        """A new slab of ``nbytes`` (its first ``taken`` bytes in use); its index. Under the lock."""
+        """A new slab of ``nbytes`` (its first ``taken`` bytes in use); its index."""
         self._slabs.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned))
         self._free.append([(taken, nbytes - taken)] if nbytes > taken else [])
         self.allocated += nbytes
@@ -108,47 +98,25 @@ class HostArena:
 
     def give(self, ext: Extent) -> None:
         """Return ``ext`` to its slab's free room (merged with free neighbours)."""
-        with self._lock:
-            free = self._free[ext.slab]
-            i = bisect.bisect(free, (ext.offset, 0))
-            off, n = ext.offset, ext.size
-            if i < len(free) and free[i][0] == off + n:  # the free run after it
-                n += free.pop(i)[1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # the one before
-                off, n = free[i - 1][0], free[i - 1][1] + n
-                free[i - 1] = (off, n)
-            else:
-                free.insert(i, (off, n))
-            self.used -= ext.size
+        free = self._free[ext.slab]
+        i = bisect.bisect(free, (ext.offset, 0))
+        off, n = ext.offset, ext.size
+        if i < len(free) and free[i][0] == off + n:  # the free run after it
+            n += free.pop(i)[1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # the one before
+            off, n = free[i - 1][0], free[i - 1][1] + n
+            free[i - 1] = (off, n)
+        else:
+            free.insert(i, (off, n))
+        self.used -= ext.size
 
-    # ------------------------------------------------------------------ growing ahead
-    def _short(self) -> bool:
-        return self.allocated - self.used < self.ahead and self.allocated + self.slab_bytes <= self.budget
-
-    def grow_ahead(self) -> None:
-        """Start the helper thread where fewer than ``ahead`` bytes are free and the budget has
-        room for another slab (it adds slabs until they are, then ends)."""
-        if self.ahead and self._short() and (self._helper is None or not self._helper.is_alive()):
-            self._helper = threading.Thread(target=self._grow, name="ninfer-host-memory", daemon=True)
-            self._helper.start()
-
-    def _grow(self) -> None:
-        while True:
-            with self._lock:
-                if not self._short():
-                    return
-            slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)  # (slow: unlocked)
-            with self._lock:
-                if self.allocated + self.slab_bytes > self.budget:
-                    return
-                self._slabs.append(slab)
-                self._free.append([(0, self.slab_bytes)])
-                self.allocated += self.slab_bytes
-
-    def wait_grown(self) -> None:
-        """Wait for the helper thread, if one runs (tests)."""
-        if self._helper is not None:
-            self._helper.join()
+    def grow(self) -> bool:
+        """Add one slab where fewer than ``ahead`` bytes are free and the budget has room for it
+        (the engine calls this while it has no work); whether it did."""
+        if self.allocated - self.used >= self.ahead or self.allocated + self.slab_bytes > self.budget:
+            return False
+        self._add(self.slab_bytes)
+        return True
 
 
 @dataclass(eq=False)

@@ -64,6 +64,12 @@ class CacheManager:
     def host_checkpoint_bytes(self) -> int:
         return self.prefix.host_bytes if self.prefix is not None else 0
 
+    def grow_host(self) -> bool:
+        """Pin one more slab of host memory ahead of need, if the budget wants one (a pause of up
+        to a few hundred milliseconds: the engine calls it only while it has no work); whether
+        it did."""
+        return self.host is not None and self.host.arena.grow()
+
     def _settle(self) -> None:
         if self.prefix is not None:
             self.prefix.settle()

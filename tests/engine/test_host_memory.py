@@ -34,17 +34,23 @@ def test_extents_come_from_kept_slabs_first_fit_and_merge_when_given_back():
     assert last is not None and arena.allocated <= arena.budget
 
 
-def test_a_helper_thread_keeps_room_free_ahead_of_need():
+def test_with_room_kept_ahead_slabs_are_taken_while_idle_never_by_a_copy_but_the_first():
+    """Pinning stalls every CUDA call of the process: with ``ahead`` set, slabs come from
+    ``grow`` (the engine calls it while idle), up to ``ahead`` bytes free; ``take`` makes only the
+    first one."""
     arena = HostArena(budget=8 * MIB, pinned=False, slab_bytes=MIB, ahead=3 * MIB)
-    arena.wait_grown()
-    assert arena.allocated == 3 * MIB and arena.used == 0  # ready before the first copy
-    exts = [arena.take(MIB) for _ in range(3)]
-    arena.wait_grown()
-    assert all(e is not None for e in exts) and arena.allocated - arena.used >= 3 * MIB
-    more = [arena.take(MIB) for _ in range(5)]
-    arena.wait_grown()
-    assert all(e is not None for e in more) and arena.allocated == 8 * MIB  # never past the budget
-    assert arena.take(1) is None
+    first = arena.take(MIB // 2)
+    assert first is not None and arena.allocated == MIB  # nothing to serve from: the first slab
+    assert arena.take(MIB) is None  # no free room: nothing pinned in the middle of serving
+    grown = 0
+    while arena.grow():
+        grown += 1
+    assert grown == 3 and arena.allocated - arena.used >= 3 * MIB
+    while arena.take(MIB) is not None or arena.grow():  # serving and idle times, until the budget is full
+        assert arena.allocated <= 8 * MIB
+    assert arena.allocated == 8 * MIB and arena.used >= 7 * MIB
+    assert not arena.grow()
+    assert not HostArena(budget=8 * MIB, pinned=False, slab_bytes=MIB).grow()  # none kept ahead: none grown
 
 
 def _pools(pages: int = 16, slots: int = 3):
