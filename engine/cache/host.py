@@ -174,10 +174,6 @@ class HostTier:
         self.part_pages = max(1, self.arena.slab_bytes // max(self._kv_size(1), 1))
         self._stream: torch.cuda.Stream | None = None
 
-    @property
-    def budget(self) -> int:
-        return self.arena.budget
-
     def _kv_size(self, pages: int) -> int:
         return 2 * _round(pages * self.page_bytes // 2)
 

@@ -99,7 +99,6 @@ class PrefixCache:
         self.host_bytes = 0  # the host memory they take (their extents)
         self.hits_gpu = 0  # requests that went on from a device checkpoint
         self.hits_host = 0  # from a host checkpoint (promoted)
-        self.dropped_moving = 0  # evictions dropped because copies to host were in flight already
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -196,8 +195,6 @@ class PrefixCache:
         entry = min(self._entries.values(), key=lambda e: e.used)
         self.settle()
         if entry.slot is not None and self._moving and self.moving_slots >= self.moving_limit:
-            if self.host is not None:
-                self.dropped_moving += 1
             self._drop(entry)
             return True
         room = self._host_room_for(len(entry.pages), entry.used)
