@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -17,6 +18,7 @@ from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
+from .grammar import GrammarError, Grammars
 from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput
@@ -54,6 +56,8 @@ class LLMEngine:
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
         self.counters = EngineCounters()  # read lock-free by /metrics and /stats
+        self.grammars: Grammars | None = None  # made for the first request with a grammar
+        self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar is being compiled
         if self.device.type == "cuda":
             self.warm_up()
 
@@ -120,17 +124,50 @@ class LLMEngine:
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
         )
+        if request.params.grammar is not None:  # scheduled once its grammar is compiled
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.token_limit)
+            self._compiling.append((request, self.grammars.compile(request.params.grammar)))
+            return
         self.scheduler.add(request)
 
+    def _compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled (a grammar that failed ends its
+        request); when nothing else is there to run, wait a moment for one."""
+        if not self._compiling:
+            return []
+        if not (self.scheduler.waiting or self.scheduler.running or self._ahead):
+            wait([f for _, f in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+        outputs, pending = [], []
+        for req, future in self._compiling:
+            if req.is_finished:  # aborted while it compiled
+                continue
+            if not future.done():
+                pending.append((req, future))
+                continue
+            try:
+                compiled = future.result()
+            except GrammarError as exc:
+                req.error_code = "invalid_grammar"
+                outputs.append(self._finish(req, FinishReason.ERROR, None, "", error=str(exc)))
+                continue
+            stops = set(req.eos_ids) | set(req.params.stop_token_ids)
+            if req.params.ignore_eos:
+                stops = set(req.params.stop_token_ids)
+            req.grammar = self.grammars.matcher(compiled, stops, active=req.params.thinking is None)
+            self.scheduler.add(req)
+        self._compiling = pending
+        return outputs
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        for req in self.scheduler.running + self.scheduler.waiting:
+        for req in self.scheduler.running + self.scheduler.waiting + [r for r, _ in self._compiling]:
             if req.request_id == request_id:
                 return self._finish(req, FinishReason.ABORT, None, "")
         return None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._ahead)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._ahead or self._compiling)
 
     @property
     def waiting(self) -> list[Request]:
@@ -142,7 +179,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        outputs = [self._expire(r) for r in self.scheduler.expired()]
+        outputs = [self._expire(r) for r in self.scheduler.expired()] + self._compiled()
         if self._ahead is not None:  # launched last step: its plan is this step's
             launched, self._ahead = self._ahead, None
         else:
@@ -189,13 +226,13 @@ class LLMEngine:
         """Launch the decode step that follows ``launched`` before its tokens are read, so the GPU
         goes on while the host reads, detokenizes and publishes. Only when the next step would be
         exactly that: a batched decode step of the same running requests, nobody waiting to be
-        admitted, no sampling that needs the token history, no thinking budget about to force its
-        close tokens, and cache room for one more token."""
+        admitted, no sampling that needs the token history or a grammar's next mask, no thinking
+        budget about to force its close tokens, and cache room for one more token."""
         reqs = [r for r, wanted in zip(launched.ready, launched.still_wanted()) if wanted]
         if not (self.overlap and launched.decode and reqs) or self.scheduler.waiting:
             return None
         if len(self.scheduler.running) != len(reqs) or \
-                any(uses_history(r.params) or thinking.may_force_next(r) for r in reqs):
+                any(uses_history(r.params) or r.grammar is not None or thinking.may_force_next(r) for r in reqs):
             return None
         if all(r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens for r in reqs):
             return None  # every one of them ends with the token being read
@@ -251,6 +288,11 @@ class LLMEngine:
             req.output_ids.append(token)
             self.counters.committed(req)
             pending += thinking.account(req, token)
+            if req.grammar is not None:
+                if req.grammar.active:
+                    req.grammar.accept(token)
+                elif req.thinking is not None and not req.thinking.open:
+                    req.grammar.active = True  # the grammar holds from the token after the close
             out = None
             if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 out = self._finish(req, FinishReason.STOP, token, text + processor.flush())

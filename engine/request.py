@@ -53,6 +53,7 @@ class Request:
     error_code: str | None = None
     times_paused: int = 0
     thinking: Any = None  # ThinkingState (engine/thinking.py) when params.thinking is set
+    grammar: Any = None  # GrammarState (engine/grammar.py) when params.grammar is set, once compiled
     admitted_time: float | None = None  # when the request was first admitted
     # prompt positions where a prefix checkpoint is taken once the tokens before them are
     # computed, ascending (None: where the prompt ends; the engine sets it, empty without a cache)

@@ -38,6 +38,11 @@ def _plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and not uses_history(params)
 
 
+def constrained(req: Request) -> bool:
+    """Whether the request's grammar holds its next token."""
+    return req.grammar is not None and req.grammar.constrains
+
+
 def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     """A small host list on ``device`` without waiting for the device (a pinned staging copy)."""
     if device.type != "cuda":
@@ -223,15 +228,20 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
         left on the device. Plain greedy rows take one argmax over the step (``greedy``, where
-        the caller has it already; returned as is when every row is plain greedy)."""
+        the caller has it already; returned as is when every row is plain greedy); rows under a
+        grammar choose among the ids it allows now."""
         if greedy is None:
             greedy = torch.argmax(logits, dim=-1)
-        rows = [i for i, r in enumerate(reqs) if not _plain_greedy(r.params)]
+        rows = [i for i, r in enumerate(reqs) if not _plain_greedy(r.params) or constrained(r)]
         if not rows:
             return greedy
         reqs = [reqs[i] for i in rows]
         at = _on(self.device, rows, torch.long)
         x = self._penalize_(logits[at].float(), reqs).nan_to_num_(nan=float("-inf"))  # logits[at] is a copy
+        if any(constrained(r) for r in reqs):
+            from .grammar import constrain
+
+            constrain(x, [r.grammar for r in reqs])
         chosen = torch.argmax(x, dim=-1)  # right for the greedy rows with penalties
         for ranked in (True, False):
             group = [i for i, r in enumerate(reqs) if not r.params.greedy and _ranked(r.params, x.shape[-1]) == ranked]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .grammar import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -19,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     thinking: ThinkingControl | None = None  # the output starts inside a reasoning block
+    grammar: GrammarSpec | None = None  # the output is held to it (engine/grammar.py)
 
     def __post_init__(self) -> None:
         checks = [
