@@ -58,7 +58,8 @@ class GrammarSpec:
                 raise GrammarError(param, f"{param} is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError(param, f"{param} must be a JSON schema object")
-        return cls("json_schema", json.dumps(schema, separators=(",", ":"))  # its order: properties are written in it, param)
+        # in its own order: the properties are written in it
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
     @classmethod
     def choice(cls, options: Any, param: str) -> GrammarSpec:
