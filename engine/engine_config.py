@@ -26,9 +26,10 @@ class EngineConfig:
     max_pending: int = 64  # requests waiting for admission beyond max_concurrency
     pending_timeout_s: float | None = None  # a request not admitted within this fails (None = never)
     # prefix checkpoints (``cache/prefix.py``): a request's state kept where its prompt ends, so
-    # a later prompt that starts with it goes on from there; at most this many kept
+    # a later prompt that starts with it goes on from there; at most this many kept (None: four
+    # per concurrent request, at least 16, as memory allows: ``memory.prefix_checkpoints``)
     prefix_cache: bool = True
-    prefix_checkpoints: int = 16
+    prefix_checkpoints: int | None = None
     # a long prefill keeps a checkpoint every this many prompt tokens (the newest only), so a
     # prompt cancelled part-way and sent again goes on from the last one (0 = none)
     progress_anchor: int = 16384
@@ -51,7 +52,8 @@ class EngineConfig:
             ("host_cache_mib", self.host_cache_mib >= 0, "must be >= 0"),
             ("max_pending", self.max_pending >= 0, "must be >= 0"),
             ("pending_timeout_s", self.pending_timeout_s is None or self.pending_timeout_s > 0, "must be > 0"),
-            ("prefix_checkpoints", 0 <= self.prefix_checkpoints <= 1024, "must be between 0 and 1024"),
+            ("prefix_checkpoints", self.prefix_checkpoints is None or 0 <= self.prefix_checkpoints <= 1024,
+             "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
         ]
         for name, ok, why in checks:

@@ -57,11 +57,25 @@ def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> in
     return min(budget // kv_bytes_per_token(model, config.dtype), config.max_concurrency * config.max_context)
 
 
+CHECKPOINTS_PER_REQUEST = 4  # device prefix checkpoints kept per concurrent request by default
+CHECKPOINT_SLOTS_SHARE = 0.25  # of the free memory, the most their state slots take by default
+
+
 def prefix_checkpoints(model: ModelConfig, config: EngineConfig) -> int:
-    """How many prefix checkpoints to keep: ``config.prefix_checkpoints`` (0 with the prefix cache
-    off), halved while their state slots would leave the KV cache short of one ``max_context``
-    request (a hybrid model's checkpoint holds a slot of every GDN layer's state)."""
-    n = config.prefix_checkpoints if config.prefix_cache else 0
+    """How many prefix checkpoints to keep on the device: ``config.prefix_checkpoints``, or by
+    default ``CHECKPOINTS_PER_REQUEST`` per concurrent request (at least 16: conversations take
+    turns, each request leaves one where its prompt ended and one where its answer did), halved
+    while their state slots would take more than ``CHECKPOINT_SLOTS_SHARE`` of free memory; either
+    way halved while the slots would leave the KV cache short of one ``max_context`` request (a
+    hybrid model's checkpoint holds a slot of every GDN layer's state); 0 with the cache off."""
+    if not config.prefix_cache:
+        return 0
+    n = config.prefix_checkpoints
+    if n is None:
+        n = max(16, CHECKPOINTS_PER_REQUEST * config.max_concurrency)
+        budget = CHECKPOINT_SLOTS_SHARE * free_memory_bytes(torch.device(config.device))
+        while n > 16 and n * _slot_bytes(model, config) > budget:
+            n //= 2
     if config.kv_capacity is not None or kv_bytes_per_token(model, config.dtype) == 0 or not model.is_hybrid:
         return n
     while n and _kv_tokens(model, config, n) < config.max_context:

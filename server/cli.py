@@ -45,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one interpreter lock for both: slower with many streams)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="keep no prefix checkpoints: every prompt is computed from its first token")
-    p.add_argument("--prefix-checkpoints", type=int, default=16, metavar="N",
-                   help="prefix checkpoints kept (each where a request's conversation turn ended; a returning "
-                        "conversation goes on from its own); fewer where their GDN state would leave the KV "
-                        "cache short of --max-context (default 16)")
+    p.add_argument("--prefix-checkpoints", type=int, default=None, metavar="N",
+                   help="prefix checkpoints kept on the device (each where a request's prompt or answer ended; a "
+                        "returning conversation goes on from its own); fewer where their GDN state would leave "
+                        "the KV cache short of --max-context (default: 4 per concurrent request, at least 16, "
+                        "their state at most a quarter of free memory)")
     p.add_argument("--progress-anchor", type=int, default=16384, metavar="N",
                    help="a long prompt keeps a checkpoint every N tokens as it is computed (the newest only), "
                         "so one cancelled part-way and sent again goes on from there (0: none; default 16384)")

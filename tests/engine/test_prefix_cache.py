@@ -180,3 +180,26 @@ def test_requests_sent_together_with_one_long_prefix_compute_it_once(parts):
     # a prompt that shares less than SHARED_PREFIX_MIN tokens does not wait
     short = {"c": base[:200] + [1, 2, 3], "d": base[:200] + [4, 5]}
     assert all(c == 0 for _, c in run(engine(parts), [req(n, ids, 2) for n, ids in short.items()]).values())
+
+
+def test_the_default_keeps_four_checkpoints_per_concurrent_request_as_memory_allows(monkeypatch, tmp_path):
+    from ninfer.engine import memory
+    from ninfer.engine.engine_config import EngineConfig
+    from ninfer.engine.loader import load_checkpoint
+    from support.tiny import save_tiny_qwen3_5
+
+    model = load_checkpoint(save_tiny_qwen3_5(tmp_path / "ckpt")).config
+
+    def config(**kw):
+        return EngineConfig(**{"kv_capacity": 8192, **kw})
+
+    slot = memory._slot_bytes(model, config())
+    assert slot > 0
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 1 << 34)
+    assert memory.prefix_checkpoints(model, config(max_concurrency=12)) == 48
+    assert memory.prefix_checkpoints(model, config(max_concurrency=2)) == 16  # at least 16
+    assert memory.prefix_checkpoints(model, config(max_concurrency=12, prefix_checkpoints=5)) == 5
+    assert memory.prefix_checkpoints(model, config(max_concurrency=12, prefix_cache=False)) == 0
+    # their state slots take at most a quarter of free memory: 48 do not fit in 30 slots' worth
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 4 * 30 * slot)
+    assert memory.prefix_checkpoints(model, config(max_concurrency=12)) == 24
