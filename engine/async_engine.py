@@ -32,10 +32,12 @@ def _mergeable(out: RequestOutput) -> bool:
 
 
 def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """``first`` followed by ``later`` as one output: text and token ids joined, every count,
+    """``first`` followed by ``later`` as one output: text, token ids and logprobs joined, every count,
     ending and timing the later one's (they are cumulative or final)."""
     first.text += later.text
     first.token_ids = first.token_ids + later.token_ids
+    if first.logprobs is not None or later.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + (later.logprobs or [])
     for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
                  "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time"):
         setattr(first, name, getattr(later, name))
