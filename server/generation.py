@@ -47,6 +47,8 @@ class Sampling:
     seed: int | None = None
     max_tokens: int | None = None
     stop: Sequence[str] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k best, per token
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # checked ids (``server/logprobs.py``)
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,8 @@ def sampling_params(state: ServerState, s: Sampling, thinking: ThinkingControl |
             max_tokens=state.default_max_tokens if s.max_tokens is None else s.max_tokens,
             stop=list(s.stop),
             thinking=thinking,
+            logprobs=s.logprobs,
+            logit_bias=dict(s.logit_bias),
         )
     except SamplingParamError as exc:
         raise invalid(exc.param, str(exc)) from exc

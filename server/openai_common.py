@@ -27,16 +27,11 @@ CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_r
 
 
 def reject_unsupported_sampling(req: Any) -> None:
-    """The refusals Chat Completions and legacy Completions share: several choices, log
-    probabilities, logit bias, a repetition penalty, structured output or constrained decoding
-    under any of its names, and ``stream_options`` without streaming. Fields a request model
-    does not declare read as unset."""
+    """The refusals Chat Completions and legacy Completions share: several choices, a repetition
+    penalty, structured output or constrained decoding under any of its names, and
+    ``stream_options`` without streaming. Fields a request model does not declare read as unset."""
     if req.n not in (None, 1):
         raise unsupported("n", "one choice per request (n > 1 is not supported)")
-    if req.logprobs:
-        raise unsupported("logprobs", "log probabilities are not available yet")
-    if req.logit_bias and any(v != 0 for v in req.logit_bias.values()):
-        raise unsupported("logit_bias", "logit bias is not applied by this server")
     if req.repetition_penalty is not None and req.repetition_penalty != 1:
         raise unsupported("repetition_penalty", "only the neutral value 1")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":

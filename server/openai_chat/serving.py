@@ -6,9 +6,10 @@ from typing import Any, AsyncIterator
 
 from ...engine.frontend.assistant_output import AssistantOutputParser, ContentText, ReasoningText
 from ...engine.frontend.tool_parser import ToolCall
-from ...engine.outputs import RequestOutput
+from ...engine.outputs import RequestOutput, TokenLogprob
 from ..errors import APIError
 from ..generation import prepare, template_options
+from ..logprobs import TokenText, new_logprobs, openai_entries
 from ..openai_common import TimingClock, chat_usage, check_model, new_id, timings
 from ..state import ServerState
 from ..streaming import sse_data
@@ -24,13 +25,20 @@ class PreparedChat:
         options = template_options(state, req.chat_template_kwargs, req.typed_template_options())
         self.prepared = prepare(
             state, req.template_messages(), tools=[t.template for t in callable_tools],
-            tool_specs=[t.spec for t in callable_tools], options=options, sampling=req.sampling(),
+            tool_specs=[t.spec for t in callable_tools], options=options, sampling=req.sampling(state),
             thinking_budget=req.thinking_budget,
         )
         self.req = req
         self.id = new_id("chatcmpl-")
         self.created = int(time.time())
         self.model = model  # the name the request used, or the served model's id
+        self.token_text = TokenText(state.tokenizer)
+
+    def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for these tokens (None when the request did not ask)."""
+        if self.req.top is None:
+            return None
+        return {"content": openai_entries(self.token_text, logprobs, self.req.top), "refusal": None}
 
     def parser(self) -> AssistantOutputParser:
         return AssistantOutputParser(self.prepared.starts_in_reasoning, self.prepared.tools)
@@ -49,8 +57,10 @@ def _tool_call(call: ToolCall, call_id: str) -> dict[str, Any]:
 async def complete(chat: PreparedChat, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
     parser = chat.parser()
     final: RequestOutput | None = None
+    logprobs: list[TokenLogprob] = []
     async for out in outputs:
         parser.push(out.text)
+        logprobs += new_logprobs(out)
         final = out
     parser.finish()
     assert final is not None and final.finished
@@ -66,7 +76,7 @@ async def complete(chat: PreparedChat, outputs: AsyncIterator[RequestOutput]) ->
         "object": "chat.completion",
         "created": chat.created,
         "model": chat.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
+        "choices": [{"index": 0, "message": message, "logprobs": chat.logprobs(logprobs),
                      "finish_reason": _finish_reason(final, msg.tool_calls)}],
         "usage": chat_usage(final),
         "timings": timings(final),
@@ -79,8 +89,16 @@ async def stream(chat: PreparedChat, admitted: RequestOutput, outputs: AsyncIter
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     clock = TimingClock(admitted)
 
+    # the log-probabilities of tokens not yet sent: they go with the next chunk that has a choice
+    # (text the output parser holds back, such as a possible tool call's start, comes later)
+    unsent: list[TokenLogprob] = []
+
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = []
+        if delta is not None:
+            choices = [{"index": 0, "delta": delta, "logprobs": chat.logprobs(unsent) if unsent else None,
+                        "finish_reason": finish}]
+            unsent.clear()
         return sse_data({"id": chat.id, "object": "chat.completion.chunk", "created": chat.created,
                          "model": chat.model, "choices": choices, **extra})
 
@@ -101,6 +119,7 @@ async def stream(chat: PreparedChat, admitted: RequestOutput, outputs: AsyncIter
     try:
         async for out in outputs:
             clock.observe(out)
+            unsent += new_logprobs(out)
             if out.prompt_processed is not None:
                 if req.return_progress and out.prompt_processed > last_progress:
                     last_progress = out.prompt_processed

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
 from ..generation import check_context_floor, check_prompt, check_token_ids, sampling_params
+from ..logprobs import LegacyLogprobs, TokenText, new_logprobs
 from ..openai_common import check_model, new_id, timings
 from ..state import ServerState
 from ..streaming import sse_data
@@ -28,11 +29,16 @@ class PreparedCompletion:
             self.prompt_ids = list(prompt)
             self.prompt_text = state.tokenizer.decode(self.prompt_ids) if req.echo else ""
         check_prompt(state, self.prompt_ids, "prompt")
-        self.params = sampling_params(state, req.sampling())
+        self.params = sampling_params(state, req.sampling(state))
         self.req = req
         self.id = new_id("cmpl-")
         self.created = int(time.time())
         self.model = model  # the name the request used, or the served model's id
+        self.token_text = TokenText(state.tokenizer)
+
+    def logprobs(self) -> LegacyLogprobs | None:
+        """The answer's ``logprobs`` builder (None when the request did not ask)."""
+        return None if self.req.logprobs is None else LegacyLogprobs(self.token_text, self.req.logprobs)
 
 
 def _usage(final: RequestOutput) -> dict[str, Any]:
@@ -47,13 +53,17 @@ def _finish_reason(final: RequestOutput) -> str:
 async def complete(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
     text = [c.prompt_text] if c.req.echo else []
     final: RequestOutput | None = None
+    logprobs = []
     async for out in outputs:
         text.append(out.text)
+        logprobs += new_logprobs(out)
         final = out
     assert final is not None and final.finished
+    builder = c.logprobs()
     return {
         "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
-        "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": _finish_reason(final)}],
+        "choices": [{"index": 0, "text": "".join(text), "logprobs": builder and builder.add(logprobs),
+                     "finish_reason": _finish_reason(final)}],
         "usage": _usage(final),
         "timings": timings(final),
     }
@@ -62,8 +72,11 @@ async def complete(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput])
 async def stream(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     include_usage = bool(c.req.stream_options and c.req.stream_options.include_usage)
 
-    def chunk(text: str | None, finish: str | None = None, **extra: Any) -> str:
-        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    builder = c.logprobs()
+
+    def chunk(text: str | None, finish: str | None = None, out: RequestOutput | None = None, **extra: Any) -> str:
+        logprobs = None if builder is None or out is None else builder.add(new_logprobs(out))
+        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
         return sse_data({"id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
                          "choices": choices, **extra})
 
@@ -72,11 +85,12 @@ async def stream(c: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -
     try:
         async for out in outputs:
             if out.finished:
-                yield chunk(out.text, _finish_reason(out), **({} if include_usage else {"timings": timings(out)}))
+                yield chunk(out.text, _finish_reason(out), out,
+                            **({} if include_usage else {"timings": timings(out)}))
                 if include_usage:
                     yield chunk(None, usage=_usage(out), timings=timings(out))
-            elif out.text:
-                yield chunk(out.text)
+            elif out.text or (builder is not None and out.logprobs):
+                yield chunk(out.text, None, out)
     except APIError as exc:
         yield sse_data(exc.body())
     yield sse_data("[DONE]")
