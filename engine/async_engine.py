@@ -120,10 +120,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
         checkpoints: list[int] | None = None, checkpoint_answer: bool = True,
+        forks: int = 0, fork_of: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request. Outputs that
         pile up while the caller is busy come as one (``_Stream``). ``checkpoints``,
-        ``checkpoint_answer``: where prefix checkpoints are kept (``Request``)."""
+        ``checkpoint_answer``: where prefix checkpoints are kept; ``forks``, ``fork_of``: several
+        choices of one prompt (``Request``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
@@ -141,6 +143,8 @@ class AsyncEngine:
             eos_ids=self.eos_ids,
             checkpoints=checkpoints,
             checkpoint_answer=checkpoint_answer,
+            forks=forks,
+            fork_of=fork_of,
         )
 
         def sink(out: RequestOutput) -> None:

@@ -6,6 +6,7 @@ finish) -> publish ``RequestOutput`` objects.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import traceback
@@ -119,6 +120,8 @@ class LLMEngine:
             request.checkpoints, request.checkpoint_answer = [], False  # no chunk is cut for one
         else:  # a prompt resent longer goes on from its end
             request.checkpoints = sorted(set(marks)) if marks is not None else [len(ids)]
+            if request.forks and len(ids) > 1 and len(ids) - 1 not in request.checkpoints:
+                bisect.insort(request.checkpoints, len(ids) - 1)  # where the other choices go on from
         request.generator = make_generator(request.params, self.device)
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
