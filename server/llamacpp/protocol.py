@@ -12,7 +12,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from ..errors import unsupported
+from ..errors import invalid, unsupported
 from ..state import SamplingDefaults
 
 
@@ -36,6 +36,10 @@ class CompletionRequest(BaseModel):
     return_tokens: bool = False  # the ids are always returned; kept for llama.cpp clients
     cache_prompt: bool = True  # prompt reuse is the engine's business
     id_slot: int = -1  # lanes are assigned by the scheduler
+    # completions of the one prompt (llama-server's n_cmpl; n as OpenAI names it): with more than
+    # one, the answer is a list of results, each with its index, and stream chunks name theirs
+    n_cmpl: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1)
     n_probs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # per token, its probability and the n best
     post_sampling_probs: bool = False  # probabilities after the sampling chain, not the raw logits' log-softmax
     logit_bias: Union[list[Any], dict[str, Any], None] = None  # [[token, bias], ...] or {token: bias}
@@ -56,7 +60,12 @@ class CompletionRequest(BaseModel):
         return v
 
     def reject_unsupported(self) -> None:
-        """Every field this model declares is served."""
+        if self.n is not None and self.n_cmpl is not None and self.n != self.n_cmpl:
+            raise invalid("n_cmpl", f"'n_cmpl' ({self.n_cmpl}) and 'n' ({self.n}) differ")
+
+    @property
+    def choices(self) -> int | None:
+        return self.n_cmpl if self.n_cmpl is not None else self.n
 
     def budget(self, default: int | None) -> int | None:
         """Output tokens: ``n_predict`` (or ``max_tokens``); -1 runs to eos or the context limit;

@@ -10,7 +10,8 @@ from ...engine.sampling_params import SamplingParamError
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
 from ..logprobs import TokenText, llamacpp_entries, llamacpp_logit_bias, new_logprobs
-from ..openai_common import check_model, timings
+from ..choices import all_of, merged
+from ..openai_common import check_choices, check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
 from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
@@ -22,6 +23,7 @@ class PreparedCompletion:
     def __init__(self, req: CompletionRequest, state: ServerState) -> None:
         check_model(state, req.model)
         req.reject_unsupported()
+        self.n = check_choices(state, req.choices, "n_cmpl" if req.n_cmpl is not None else "n")
         parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts),
                             "prompt")
@@ -80,11 +82,11 @@ def probabilities(prep: PreparedCompletion, logprobs) -> dict[str, Any]:
 
 
 def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int],
-               logprobs=None) -> dict[str, Any]:
+               logprobs=None, index: int = 0) -> dict[str, Any]:
     """The last object of an answer (``logprobs``: all its tokens', for one that is not streamed)."""
     kind, word = stop_type(final)
     return {
-        "index": 0,
+        "index": index,
         "content": content,
         "tokens": tokens,
         "id_slot": -1,
@@ -104,7 +106,7 @@ def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tok
     }
 
 
-async def complete(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+async def _choice(prep: PreparedCompletion, index: int, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
     text: list[str] = []
     tokens: list[int] = []
     logprobs = []
@@ -115,20 +117,27 @@ async def complete(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutpu
         logprobs += new_logprobs(out)
         final = out
     assert final is not None and final.finished
-    return final_body(prep, final, "".join(text), tokens, logprobs)
+    return final_body(prep, final, "".join(text), tokens, logprobs, index)
 
 
-async def stream(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def complete(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOutput]]) -> Any:
+    """The result object; with several completions (``n_cmpl``), a list of them in order."""
+    results = await all_of([_choice(prep, i, o) for i, o in enumerate(outputs)])
+    return results if len(results) > 1 else results[0]
+
+
+async def stream(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     """llama.cpp's SSE: ``data:`` chunks with ``stop: false``, then one with ``stop: true`` and the
-    totals (its ``content`` is empty: all text came in the chunks before). No ``[DONE]``."""
+    totals per completion (its ``content`` is empty: all text came in the chunks before); each
+    chunk names its completion's ``index``. No ``[DONE]``."""
     try:
-        async for out in outputs:
+        async for i, out in merged(outputs):
             if out.text or out.token_ids:
-                yield sse_data({"index": 0, "content": out.text, "tokens": list(out.token_ids), "stop": False,
-                             "id_slot": -1, "tokens_predicted": out.completion_tokens,
-                             "tokens_evaluated": out.prompt_tokens, **probabilities(prep, new_logprobs(out))})
+                yield sse_data({"index": i, "content": out.text, "tokens": list(out.token_ids), "stop": False,
+                                "id_slot": -1, "tokens_predicted": out.completion_tokens,
+                                "tokens_evaluated": out.prompt_tokens, **probabilities(prep, new_logprobs(out))})
             if out.finished:
-                yield sse_data(final_body(prep, out, "", []))
+                yield sse_data(final_body(prep, out, "", [], index=i))
     except APIError as exc:
         yield sse_data(exc.body())
 

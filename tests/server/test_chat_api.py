@@ -127,7 +127,7 @@ def test_seed_makes_sampling_repeatable(client):
         ({"logit_bias": {"abc": 1}}, 400, "logit_bias.abc"),
         ({"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
         ({"logit_bias": {"100000": 1}}, 400, "logit_bias.100000"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 100}, 400, "n"),  # more choices than lanes
         ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),

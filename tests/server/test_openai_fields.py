@@ -60,7 +60,7 @@ CHAT_REJECTED = [
     ({"guided_regex": "a+"}, "guided_regex"),
     ({"guided_choice": ["a"]}, "guided_choice"),
     ({"guided_grammar": "x"}, "guided_grammar"),
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),  # more choices than lanes
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
     ({"messages": [{"role": "user", "content": "hi", "name": "alice"}]}, "messages[0].name"),
@@ -178,7 +178,7 @@ def test_responses_neutral_values_are_accepted(http):
 
 
 def test_legacy_completions_refusals(http):
-    for fields, param in [({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 6}, "logprobs"),
+    for fields, param in [({"n": 100}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 6}, "logprobs"),
                           ({"logprobs": 2, "echo": True}, "logprobs"),
                           ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": -101}}, "logit_bias.1"),
                           ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt[0]")]:
