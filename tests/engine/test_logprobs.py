@@ -93,10 +93,14 @@ def test_bad_values_are_refused_by_name(params, name):
 
 # ---------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny")
-    ckpt = load_checkpoint(path)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+def checkpoint(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint):
+    ckpt = load_checkpoint(checkpoint)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer, reference
 
 
@@ -106,9 +110,9 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def test_engine_logprobs_match_transformers(tiny):
-    model, tok, reference = tiny
-    engine = LLMEngine(model, tok, EngineConfig(max_context=256, prefill_chunk=16))
+def check_engine_logprobs(engine: LLMEngine, tok, reference, tolerance: float) -> None:
+    """A greedy row with 20 alternatives, a sampled one with 3 and a plain greedy row beside them:
+    every token's values against transformers' log-softmax, the plain row without any."""
     prompt = tok.encode("Hello world! How are you today? The quick brown fox")
     reqs = [Request("greedy", prompt, SamplingParams(temperature=0.0, max_tokens=10, logprobs=20, ignore_eos=True),
                     max_total_tokens=256),
@@ -128,7 +132,25 @@ def test_engine_logprobs_match_transformers(tiny):
         assert [p.token for p in got[r.request_id]] == r.output_ids and len(r.output_ids) == 10
         ref = reference_logprobs(reference, r.prompt_ids + r.output_ids)[len(r.prompt_ids) - 1:-1]
         for row, p in zip(ref, got[r.request_id]):
-            assert p.logprob == pytest.approx(float(row[p.token]), abs=1e-3)
+            assert p.logprob == pytest.approx(float(row[p.token]), abs=tolerance)
             best = torch.topk(row, r.params.logprobs)
             assert [t for t, _ in p.top] == best.indices.tolist()
-            assert [v for _, v in p.top] == pytest.approx(best.values.tolist(), abs=1e-3)
+            assert [v for _, v in p.top] == pytest.approx(best.values.tolist(), abs=tolerance)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "launched-ahead"])
+def test_engine_logprobs_match_transformers(tiny, overlap):
+    model, tok, reference = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_context=256, prefill_chunk=16, overlap=overlap))
+    check_engine_logprobs(engine, tok, reference, 1e-3)
+
+
+@pytest.mark.gpu
+def test_engine_logprobs_on_cuda_graphs_and_overlap(checkpoint, tiny):
+    """On CUDA: decode steps replayed from captured graphs (the plain greedy row's argmax inside
+    them), launched ahead of the read-back, the tables read through pinned memory."""
+    ckpt = load_checkpoint(checkpoint)
+    engine = LLMEngine(load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer,
+                       EngineConfig(max_context=256, prefill_chunk=16, device="cuda", max_concurrency=4))
+    assert engine.runner.graphs is not None and engine.overlap
+    check_engine_logprobs(engine, ckpt.tokenizer, tiny[2], 5e-3)

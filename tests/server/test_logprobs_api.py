@@ -28,7 +28,7 @@ def served(tmp_path_factory):
     path = save_tiny_llama(tmp_path_factory.mktemp("ckpt") / MODEL)
     state, loop = build_state(build_parser().parse_args([str(path), "--max-context", "256"]))
     loop.start()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with LiveServer(create_app(state)) as live:
         yield live, state, reference
     loop.stop()
