@@ -5,12 +5,12 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from ...engine.outputs import RequestOutput
+from ...engine.outputs import RequestOutput, TokenLogprob
 from ...engine.sampling_params import SamplingParamError
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
-from ..logprobs import TokenText, llamacpp_entries, llamacpp_logit_bias, new_logprobs
 from ..choices import all_of, merged
+from ..logprobs import TokenText, llamacpp_entries, llamacpp_logit_bias, new_logprobs
 from ..openai_common import check_choices, check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
@@ -73,7 +73,7 @@ def _settings(prep: PreparedCompletion) -> dict[str, Any]:
             "n_probs": p.logprobs or 0, "post_sampling_probs": p.logprobs_after_sampling}
 
 
-def probabilities(prep: PreparedCompletion, logprobs) -> dict[str, Any]:
+def probabilities(prep: PreparedCompletion, logprobs: list[TokenLogprob]) -> dict[str, Any]:
     """``completion_probabilities`` of these tokens, when the request asks (``n_probs``)."""
     if not prep.params.logprobs:
         return {}
@@ -82,7 +82,7 @@ def probabilities(prep: PreparedCompletion, logprobs) -> dict[str, Any]:
 
 
 def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int],
-               logprobs=None, index: int = 0) -> dict[str, Any]:
+               logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
     """The last object of an answer (``logprobs``: all its tokens', for one that is not streamed)."""
     kind, word = stop_type(final)
     return {
@@ -109,7 +109,7 @@ def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tok
 async def _choice(prep: PreparedCompletion, index: int, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
     text: list[str] = []
     tokens: list[int] = []
-    logprobs = []
+    logprobs: list[TokenLogprob] = []
     final: RequestOutput | None = None
     async for out in outputs:
         text.append(out.text)

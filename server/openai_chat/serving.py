@@ -125,7 +125,9 @@ async def stream(chat: PreparedChat, admitted: list[RequestOutput], outputs: lis
                          "model": chat.model, "choices": body, **extra})
 
     def visible(delta: dict[str, Any], index: int) -> str:
-        return chunk(delta, None, index, timings=clock.snapshot()) if req.timings_per_token else chunk(delta, None, index)
+        if req.timings_per_token:
+            return chunk(delta, None, index, timings=clock.snapshot())
+        return chunk(delta, None, index)
 
     def progress(processed: int) -> str:
         first = admitted[0]

@@ -17,4 +17,5 @@ async def completions(body: CompletionRequest, request: Request):
     state = state_of(request)
     c = await state.workers.run(serving.PreparedCompletion, body, state)
     return await answer_choices(request, state, c.prompt_ids, c.params, c.id, c.n, body.stream,
-                                lambda _, outputs: serving.stream(c, outputs), lambda outputs: serving.complete(c, outputs))
+                                lambda _, outputs: serving.stream(c, outputs),
+                                lambda outputs: serving.complete(c, outputs))

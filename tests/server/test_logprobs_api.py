@@ -5,7 +5,6 @@ llama.cpp's ``/completion`` (``n_probs``, ``post_sampling_probs``, both ``logit_
 from __future__ import annotations
 
 import json
-import math
 
 import httpx
 import openai
