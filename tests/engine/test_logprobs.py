@@ -154,3 +154,24 @@ def test_engine_logprobs_on_cuda_graphs_and_overlap(checkpoint, tiny):
                        EngineConfig(max_context=256, prefill_chunk=16, device="cuda", max_concurrency=4))
     assert engine.runner.graphs is not None and engine.overlap
     check_engine_logprobs(engine, ckpt.tokenizer, tiny[2], 5e-3)
+
+
+def test_forced_tokens_have_an_entry_of_their_own(tiny):
+    """A thinking budget's close tokens are committed, not sampled: each still has its entry (0.0,
+    no alternatives), so the entries stay one per output token."""
+    from ninfer.engine.sampling_params import ThinkingControl
+
+    model, tok, _ = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_context=256, prefill_chunk=16))
+    close = (5, 6, 7, 2)
+    r = Request("r", tok.encode("Hello world!"), SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2,
+        thinking=ThinkingControl(end_id=2, budget=3, close_ids=close)), max_total_tokens=256)
+    engine.add_request(r)
+    entries = []
+    while engine.has_work:
+        for out in engine.step():
+            entries += out.logprobs or []
+    assert [e.token for e in entries] == r.output_ids and len(entries) == 10
+    assert entries[3:7] == [(t, 0.0, ()) for t in close]
+    assert all(len(e.top) == 2 for i, e in enumerate(entries) if not 3 <= i < 7)
