@@ -32,10 +32,12 @@ def _mergeable(out: RequestOutput) -> bool:
 
 
 def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """``first`` followed by ``later`` as one output: text and token ids joined, every count,
+    """``first`` followed by ``later`` as one output: text, token ids and logprobs joined, every count,
     ending and timing the later one's (they are cumulative or final)."""
     first.text += later.text
     first.token_ids = first.token_ids + later.token_ids
+    if first.logprobs is not None or later.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + (later.logprobs or [])
     for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
                  "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time"):
         setattr(first, name, getattr(later, name))
@@ -118,10 +120,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
         checkpoints: list[int] | None = None, checkpoint_answer: bool = True,
+        forks: int = 0, fork_of: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request. Outputs that
         pile up while the caller is busy come as one (``_Stream``). ``checkpoints``,
-        ``checkpoint_answer``: where prefix checkpoints are kept (``Request``)."""
+        ``checkpoint_answer``: where prefix checkpoints are kept; ``forks``, ``fork_of``: several
+        choices of one prompt (``Request``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
@@ -139,6 +143,8 @@ class AsyncEngine:
             eos_ids=self.eos_ids,
             checkpoints=checkpoints,
             checkpoint_answer=checkpoint_answer,
+            forks=forks,
+            fork_of=fork_of,
         )
 
         def sink(out: RequestOutput) -> None:

@@ -6,6 +6,7 @@ finish) -> publish ``RequestOutput`` objects.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import traceback
@@ -21,7 +22,7 @@ from .frontend.tokenizer import Tokenizer
 from .grammar import GrammarError, Grammars
 from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
-from .outputs import RequestOutput
+from .outputs import RequestOutput, TokenLogprob
 from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner
 from .sampler import make_generator, uses_history
@@ -110,6 +111,9 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= limit:  # builtins: a long prompt costs the engine thread little
             bad = next(i for i, t in enumerate(ids) if not 0 <= t < limit)
             raise ValueError(f"prompt token at {bad} is out of range [0, {limit})")
+        bias = request.params.logit_bias
+        if bias and max(bias) >= limit:
+            raise ValueError(f"logit_bias token id {max(bias)} is out of range [0, {limit})")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         marks = request.checkpoints
@@ -120,6 +124,8 @@ class LLMEngine:
             request.checkpoints, request.checkpoint_answer = [], False  # no chunk is cut for one
         else:  # a prompt resent longer goes on from its end
             request.checkpoints = sorted(set(marks)) if marks is not None else [len(ids)]
+            if request.forks and len(ids) > 1 and len(ids) - 1 not in request.checkpoints:
+                bisect.insort(request.checkpoints, len(ids) - 1)  # where the other choices go on from
         request.generator = make_generator(request.params, self.device)
         self._processors[request.request_id] = OutputProcessor(
             self.tokenizer, request.params.stop, request.prompt_ids
@@ -196,11 +202,14 @@ class LLMEngine:
             self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)
         tokens = launched.read()
+        logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)
         # a step launched ahead may carry requests that have finished since, or whose next token
         # was already known (forced tokens): what it sampled for them is dropped
-        ready = [(r, t) for r, t, wanted in zip(launched.ready, tokens, launched.still_wanted()) if wanted]
-        return outputs + self._postprocess([r for r, _ in ready], [t for _, t in ready])
+        ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs, launched.still_wanted())
+                 if wanted]
+        return outputs + self._postprocess([r for r, _, _ in ready], [t for _, t, _ in ready],
+                                           [lp for _, _, lp in ready])
 
     def _checkpoint(self, plan: list[tuple[Request, int]]) -> None:
         """Keep a prefix checkpoint for each request whose computed tokens just reached one of its
@@ -250,10 +259,11 @@ class LLMEngine:
                 for r, _ in plan
                 if id(r) not in done and r.first_token_time is None and r.num_computed <= len(r.prompt_ids)]
 
-    def _postprocess(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, reqs: list[Request], tokens: list[int],
+                     logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        for req, token in zip(reqs, tokens):
+        for req, token, logprob in zip(reqs, tokens, logprobs):
             if req.status is Status.PREFILL:
                 req.status = Status.DECODE
                 if req.prefill_done_time is None:
@@ -264,7 +274,7 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             try:
-                outputs.append(self._append_token(req, token))
+                outputs.append(self._append_token(req, token, logprob))
             except Exception as exc:  # noqa: BLE001 - this request's own text handling: it alone ends
                 outputs.append(self._fail(req, exc))
         return outputs
@@ -279,13 +289,17 @@ class LLMEngine:
         return self._finish(req, FinishReason.ERROR, None, "",
                             error=f"the server failed to process this request's output ({type(exc).__name__})")
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         params = req.params
         processor = self._processors[req.request_id]
         first, text, pending = len(req.output_ids), "", [token]
+        # one per committed token when the request asks: the sampled token's, then forced ones'
+        logprobs = None if params.logprobs is None else [logprob or TokenLogprob(token, 0.0)]
         while pending:  # the sampled token, then any that the thinking budget forces after it
             token = pending.pop(0)
             req.output_ids.append(token)
+            if logprobs is not None and len(logprobs) < len(req.output_ids) - first:
+                logprobs.append(TokenLogprob(token, 0.0))
             self.counters.committed(req)
             pending += thinking.account(req, token)
             if req.grammar is not None:
@@ -306,8 +320,9 @@ class LLMEngine:
                     out = self._finish(req, FinishReason.LENGTH, None, text + processor.flush())
             if out is not None:
                 out.token_ids = req.output_ids[first:]
+                out.logprobs = logprobs
                 return out
-        return RequestOutput(req.request_id, text=text, token_ids=req.output_ids[first:],
+        return RequestOutput(req.request_id, text=text, token_ids=req.output_ids[first:], logprobs=logprobs,
                              prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                              reasoning_tokens=thinking.reasoning_tokens(req))
 

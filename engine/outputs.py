@@ -2,6 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TokenLogprob(NamedTuple):
+    """One output token's log-probability and the ``top`` alternatives ``(id, logprob)``, most
+    likely first (a token the engine forced, not sampled, has 0.0 and none)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -9,6 +19,7 @@ class RequestOutput:
     request_id: str
     text: str = ""  # new text since the last output
     token_ids: list[int] = field(default_factory=list)  # new tokens since the last output
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks for them
     finished: bool = False
     admitted: bool = False  # the one output saying the request has left the queue
     prompt_processed: int | None = None  # set on progress outputs: prompt tokens now in the cache

@@ -66,6 +66,11 @@ class Request:
     # (request, length): the running request whose prompt starts with this one's first ``length``
     # tokens, which this one waits for to compute them once for both (False: none was found)
     shares: Any = None
+    # several choices of one prompt (``n``): the first request says how many others go on from its
+    # prompt (``forks``: it keeps a checkpoint where its last prompt token begins), each of those
+    # names it (``fork_of``: its id) and waits for that checkpoint, so the prompt is computed once
+    forks: int = 0
+    fork_of: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
     reuse: dict[str, str] | None = None  # that checkpoint's tier ("gpu" | "host") and kind ("turn" | "anchor")
 

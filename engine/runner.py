@@ -17,27 +17,36 @@ import torch
 from .cache.manager import CacheManager
 from .models.base import CausalLM
 from .request import Request
-from .sampler import Sampler
+from .outputs import TokenLogprob
+from .sampler import Sampler, StepLogprobs
 from .step import build_step
 
 
 class Launched:
-    """A step on its way: the requests that reach their next token, and those tokens, still on
-    the device (copied towards pinned host memory behind an event on CUDA)."""
+    """A step on its way: the requests that reach their next token, and those tokens (and the
+    log-probabilities of the rows that ask for them), still on the device (copied towards pinned
+    host memory behind an event on CUDA)."""
 
     def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], tokens: torch.Tensor | None,
-                 decode: bool, host: torch.Tensor | None = None, in_place: bool = False) -> None:
+                 decode: bool, host: torch.Tensor | None = None, in_place: bool = False,
+                 logprobs: StepLogprobs | None = None, host_logprobs: torch.Tensor | None = None) -> None:
         self.plan = plan
         self.ready = ready
         self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
         self.tokens = tokens
         self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
         self.in_place = in_place  # the tokens are where a captured graph reads its next input ids
+        self.logprobs = logprobs
         self._host = None
+        self._host_logprobs = None
         self._event = None
         if tokens is not None and host is not None:
             self._host = host[: len(ready)]
             self._host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                rows, width = logprobs.table.shape
+                self._host_logprobs = host_logprobs[: rows * width].view(rows, width)
+                self._host_logprobs.copy_(logprobs.table, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -55,6 +64,14 @@ class Launched:
         self._event.synchronize()
         return self._host.tolist()
 
+    def read_logprobs(self, tokens: list[int]) -> list[TokenLogprob | None]:
+        """Per ready request, its token's log-probabilities, or None where it did not ask
+        (``tokens``: what ``read`` returned, after which they are on the host)."""
+        if self.logprobs is None:
+            return [None] * len(tokens)
+        table = self.logprobs.table if self._host_logprobs is None else self._host_logprobs
+        return self.logprobs.unpack(table.tolist(), tokens)
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, caches: CacheManager,
@@ -68,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.graphs = None  # CudaGraphDecoder, when captured
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
+        self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
@@ -111,8 +129,11 @@ class ModelRunner:
         if not ready:
             return Launched(plan, [], None, decode)
         tokens = self.sampler.sample(logits, ready, greedy)
-        return Launched(plan, ready, tokens, decode, self._readback(len(ready)),
-                        in_place=greedy is not None and tokens is greedy)
+        logprobs = self.sampler.logprobs(logits, ready, tokens)
+        host = self._readback(len(ready))
+        host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
+        return Launched(plan, ready, tokens, decode, host, in_place=greedy is not None and tokens is greedy,
+                        logprobs=logprobs, host_logprobs=host_logprobs)
 
     def _readback(self, n: int) -> torch.Tensor | None:
         """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites
@@ -124,6 +145,14 @@ class ModelRunner:
             self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self._turn ^= 1
         return self._pinned[self._turn]
+
+    def _readback_logprobs(self, n: int) -> torch.Tensor:
+        """A pinned fp32 buffer of ``n`` values for a log-probability table, alternating as
+        ``_readback``'s do (taken only by steps with rows that ask for them)."""
+        if not self._pinned_logprobs or self._pinned_logprobs[0].numel() < n:
+            size = max(n, 4096)
+            self._pinned_logprobs = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        return self._pinned_logprobs[self._turn]
 
     def _decode(self, reqs: list[Request], ids: torch.Tensor | None,
                 follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

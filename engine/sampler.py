@@ -1,18 +1,23 @@
 """Token selection for a whole step at once: penalties, then greedy or temperature / top-k /
-top-p / min-p sampling, in batched tensor operations (no loop over rows but the noise draw).
+top-p / min-p sampling, in batched tensor operations (no loop over rows but the noise draw);
+each request's logit bias added on its row; log-probabilities for the rows that ask for them.
 
 A row is sampled as ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per candidate (the exponential
 race, exact for any distribution ``p``), its noise drawn from its own ``torch.Generator``: its
 token depends on its own seed and logits only, never on what else is in the step. Rows with a
 ``top_k`` work on their ``top_k`` best ids only; the others on the full vocabulary. Penalties read each request's output counts and prompt ids from device
-tensors that the sampler keeps up to date (``_History``). Nothing here waits for the device.
+tensors that the sampler keeps up to date (``_History``). Log-probabilities are computed after
+the draw, only for rows whose request asks (``Sampler.logprobs``): a step without such a row does
+no more than before. Nothing here waits for the device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .outputs import TokenLogprob
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -35,7 +40,35 @@ def uses_history(params: SamplingParams) -> bool:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and not uses_history(params)
+    """A row whose token is the argmax of its raw logits (a captured graph's argmax serves it)."""
+    return params.greedy and not uses_history(params) and not params.logit_bias
+
+
+# what a log-probability of -inf reads as in an answer (JSON has no infinity), as OpenAI writes it
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class StepLogprobs:
+    """The log-probabilities of a step's rows that ask for them, still on the device: ``rows``
+    (their places in the step), each one's own number of alternatives (``counts``), and ``table``
+    ``[len(rows), 1 + 2K]`` fp32 (``K``: the most any of them asks): the chosen token's
+    log-probability, the ``K`` best ones in descending order, then those ``K`` ids (exact in fp32
+    below 2^24)."""
+
+    rows: list[int]
+    counts: list[int]
+    table: torch.Tensor
+
+    def unpack(self, values: list[list[float]], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Per row of the step (``tokens``: the tokens it sampled), its ``TokenLogprob`` or None;
+        ``values``: ``table`` read back. Alternatives of probability 0 are left out."""
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        width = (self.table.shape[-1] - 1) // 2
+        for row, k, v in zip(self.rows, self.counts, values):
+            top = tuple((int(v[1 + width + j]), v[1 + j]) for j in range(min(k, width)) if v[1 + j] != -math.inf)
+            out[row] = TokenLogprob(tokens[row], max(v[0], LOGPROB_FLOOR), top)
+        return out
 
 
 def constrained(req: Request) -> bool:
@@ -237,7 +270,7 @@ class Sampler:
             return greedy
         reqs = [reqs[i] for i in rows]
         at = _on(self.device, rows, torch.long)
-        x = self._penalize_(logits[at].float(), reqs).nan_to_num_(nan=float("-inf"))  # logits[at] is a copy
+        x = self._bias_(self._penalize_(logits[at].float(), reqs), reqs).nan_to_num_(nan=float("-inf"))  # a copy
         if any(constrained(r) for r in reqs):
             from .grammar import constrain
 
@@ -251,6 +284,45 @@ class Sampler:
         tokens = greedy.clone()
         tokens[at] = chosen.to(tokens.dtype)
         return tokens
+
+    def _bias_(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Each request's ``logit_bias`` added in place to its row of ``x`` (fp32), in one scatter."""
+        rows, cols, values = [], [], []
+        for i, r in enumerate(reqs):
+            for token, bias in r.params.logit_bias.items():
+                if token < x.shape[-1]:
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(bias)
+        if rows:
+            at = _on(self.device, [rows, cols], torch.long)
+            x.index_put_((at[0], at[1]), _on(self.device, values, torch.float32), accumulate=True)
+        return x
+
+    def logprobs(self, logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> StepLogprobs | None:
+        """The log-probabilities of the rows whose request asks for them (None when none does),
+        left on the device: ``log_softmax`` of the raw logits, or, for requests that ask for them
+        after sampling, the log of the distribution the token was drawn from (penalties, bias,
+        temperature and filters applied; a greedy row's is all on its token). ``tokens``: what
+        ``sample`` chose for every row."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not rows:
+            return None
+        asking = [reqs[i] for i in rows]
+        at = _on(self.device, rows, torch.long)
+        x = logits[at].float().nan_to_num_(nan=float("-inf"))  # a copy
+        lp = torch.log_softmax(x, dim=-1)
+        after = [i for i, r in enumerate(asking) if r.params.logprobs_after_sampling]
+        if after:
+            where = _on(self.device, after, torch.long)
+            chain = self._bias_(self._penalize_(x[where], [asking[i] for i in after]), [asking[i] for i in after])
+            lp[where] = distribution(chain, [asking[i].params for i in after]).log()
+        counts = [r.params.logprobs for r in asking]
+        parts = [lp.gather(-1, tokens[at].view(-1, 1).long())]
+        if max(counts):
+            values, ids = torch.topk(lp, min(max(counts), lp.shape[-1]), dim=-1)
+            parts += [values, ids.float()]
+        return StepLogprobs(rows, counts, torch.cat(parts, dim=-1))
 
     def _draw(self, x: torch.Tensor, reqs: list[Request], ranked: bool) -> torch.Tensor:
         """``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d., drawn from each request's own generator: one

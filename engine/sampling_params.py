@@ -1,9 +1,13 @@
 """Per-request sampling and stopping parameters, validated where they are built."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .grammar import GrammarSpec
+
+MAX_LOGPROBS = 100  # the most alternatives a request may ask for at each token
+MAX_LOGIT_BIAS = 100.0  # a bias's magnitude (-inf aside: that id is never chosen)
 
 
 @dataclass
@@ -22,6 +26,12 @@ class SamplingParams:
     ignore_eos: bool = False
     thinking: ThinkingControl | None = None  # the output starts inside a reasoning block
     grammar: GrammarSpec | None = None  # the output is held to it (engine/grammar.py)
+    # per output token, its log-probability and those of the ``logprobs`` most likely ids (None:
+    # none asked), from the raw logits (before penalties, bias and temperature); with
+    # ``logprobs_after_sampling``, from the distribution the token was drawn from instead
+    logprobs: int | None = None
+    logprobs_after_sampling: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits; -inf: never
 
     def __post_init__(self) -> None:
         checks = [
@@ -39,6 +49,15 @@ class SamplingParams:
                 raise SamplingParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
         if any(not s for s in self.stop):
             raise SamplingParamError("stop", "stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, "
+                                     f"got {self.logprobs!r}")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise SamplingParamError("logit_bias", f"logit_bias token id {token} is negative")
+            if not (bias == -math.inf or -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise SamplingParamError("logit_bias", f"logit_bias of token {token} must be between "
+                                         f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias!r}")
 
     @property
     def greedy(self) -> bool:

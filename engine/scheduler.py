@@ -148,10 +148,18 @@ class Scheduler:
         (an orchestrator's subagents sent together with one long system prompt): the first time
         it is asked, the running prompt that shares the longest prefix with it (at least
         ``SHARED_PREFIX_MIN`` tokens, not yet computed that far) gets a checkpoint there, and
-        ``req`` waits until it is taken, then goes on from it."""
+        ``req`` waits until it is taken, then goes on from it. Another choice of one prompt
+        (``Request.fork_of``) waits the same way for its first choice's checkpoint."""
         if req.shares is None:
             req.shares = False
-            if self.caches.prefix is not None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
+            if req.fork_of is not None and self.caches.prefix is not None:
+                # another choice of the same prompt: it goes on from where the first one's last
+                # prompt token begins (a checkpoint the first keeps, ``Request.forks``)
+                first = next((r for r in self.running if r.request_id == req.fork_of), None)
+                n = len(req.prompt_ids) - 1
+                if first is not None and n > 0 and first.prompt_ids == req.prompt_ids and n in first.checkpoints:
+                    req.shares = (first, n)
+            elif self.caches.prefix is not None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
                 best = 0
                 for other in self.running:
                     if other.status is Status.PREFILL:

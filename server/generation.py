@@ -47,6 +47,8 @@ class Sampling:
     seed: int | None = None
     max_tokens: int | None = None
     stop: Sequence[str] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k best, per token
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # checked ids (``server/logprobs.py``)
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,8 @@ def sampling_params(state: ServerState, s: Sampling, thinking: ThinkingControl |
             max_tokens=state.default_max_tokens if s.max_tokens is None else s.max_tokens,
             stop=list(s.stop),
             thinking=thinking,
+            logprobs=s.logprobs,
+            logit_bias=dict(s.logit_bias),
         )
     except SamplingParamError as exc:
         raise invalid(exc.param, str(exc)) from exc
@@ -345,21 +349,24 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
 
 
 async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-              request_id: str, keep: Keep = Keep()) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request, engine errors as HTTP errors."""
+              request_id: str, keep: Keep = Keep(), forks: int = 0,
+              fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, engine errors as HTTP errors; ``forks``,
+    ``fork_of``: one choice of several (``choices.py``)."""
     at = None if keep.at is None else list(keep.at)
     try:
-        async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer):
+        async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer, forks, fork_of):
             yield out
     except EngineError as exc:
         raise engine_error(exc) from exc
 
 
 async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                keep: Keep = Keep()) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+                keep: Keep = Keep(), forks: int = 0,
+                fork_of: str | None = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Submit and wait for admission; return the admission output and the iterator of the rest.
     ``keep``: where the engine keeps prefix checkpoints."""
-    outputs = run(state, prompt_ids, params, request_id, keep)
+    outputs = run(state, prompt_ids, params, request_id, keep, forks, fork_of)
     first = await anext(outputs)
     if not first.admitted:
         raise RuntimeError("engine published output before admission")

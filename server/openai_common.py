@@ -27,16 +27,9 @@ CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_r
 
 
 def reject_unsupported_sampling(req: Any) -> None:
-    """The refusals Chat Completions and legacy Completions share: several choices, log
-    probabilities, logit bias, a repetition penalty, structured output or constrained decoding
-    under any of its names, and ``stream_options`` without streaming. Fields a request model
-    does not declare read as unset."""
-    if req.n not in (None, 1):
-        raise unsupported("n", "one choice per request (n > 1 is not supported)")
-    if req.logprobs:
-        raise unsupported("logprobs", "log probabilities are not available yet")
-    if req.logit_bias and any(v != 0 for v in req.logit_bias.values()):
-        raise unsupported("logit_bias", "logit bias is not applied by this server")
+    """The refusals Chat Completions and legacy Completions share: a repetition penalty,
+    structured output or constrained decoding under any of its names, and ``stream_options``
+    without streaming. Fields a request model does not declare read as unset."""
     if req.repetition_penalty is not None and req.repetition_penalty != 1:
         raise unsupported("repetition_penalty", "only the neutral value 1")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -47,6 +40,16 @@ def reject_unsupported_sampling(req: Any) -> None:
             raise unsupported(name, "constrained decoding is not available")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "'stream_options' requires 'stream': true")
+
+
+def check_choices(state: ServerState, n: int | None, param: str = "n") -> int:
+    """How many choices a request asks for: each is a lane of its own, so at most
+    ``--max-concurrency``."""
+    n = n or 1
+    lanes = state.engine.config.max_concurrency
+    if n > lanes:
+        raise invalid(param, f"at most {lanes} choices per request on this server (--max-concurrency), got {n}")
+    return n
 
 
 def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool | None,

@@ -11,8 +11,8 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...engine.sampling_params import SamplingParams
-from ..errors import unsupported
+from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ..errors import invalid, unsupported
 from ..state import SamplingDefaults
 
 
@@ -36,7 +36,13 @@ class CompletionRequest(BaseModel):
     return_tokens: bool = False  # the ids are always returned; kept for llama.cpp clients
     cache_prompt: bool = True  # prompt reuse is the engine's business
     id_slot: int = -1  # lanes are assigned by the scheduler
-    n_probs: int = Field(default=0, ge=0)
+    # completions of the one prompt (llama-server's n_cmpl; n as OpenAI names it): with more than
+    # one, the answer is a list of results, each with its index, and stream chunks name theirs
+    n_cmpl: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1)
+    n_probs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # per token, its probability and the n best
+    post_sampling_probs: bool = False  # probabilities after the sampling chain, not the raw logits' log-softmax
+    logit_bias: Union[list[Any], dict[str, Any], None] = None  # [[token, bias], ...] or {token: bias}
     model: str | None = None
 
     @field_validator("stop")
@@ -54,8 +60,12 @@ class CompletionRequest(BaseModel):
         return v
 
     def reject_unsupported(self) -> None:
-        if self.n_probs:
-            raise unsupported("n_probs")
+        if self.n is not None and self.n_cmpl is not None and self.n != self.n_cmpl:
+            raise invalid("n_cmpl", f"'n_cmpl' ({self.n_cmpl}) and 'n' ({self.n}) differ")
+
+    @property
+    def choices(self) -> int | None:
+        return self.n_cmpl if self.n_cmpl is not None else self.n
 
     def budget(self, default: int | None) -> int | None:
         """Output tokens: ``n_predict`` (or ``max_tokens``); -1 runs to eos or the context limit;
@@ -65,7 +75,9 @@ class CompletionRequest(BaseModel):
             return default
         return None if n < 0 else n
 
-    def sampling_params(self, defaults: SamplingDefaults, default_max_tokens: int | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults, default_max_tokens: int | None = None,
+                        logit_bias: dict[int, float] | None = None) -> SamplingParams:
+        """``logit_bias``: this request's, resolved to ids (``server/logprobs.llamacpp_logit_bias``)."""
         return SamplingParams(
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
@@ -78,6 +90,9 @@ class CompletionRequest(BaseModel):
             max_tokens=self.budget(default_max_tokens),
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
+            logprobs=self.n_probs or None,
+            logprobs_after_sampling=self.post_sampling_probs,
+            logit_bias=logit_bias or {},
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..answer import answer
+from ..answer import answer_choices
 from ..json_body import JSONBodyRoute
 from ..openai_common import check_model
 from ..state import state_of
@@ -18,8 +18,9 @@ router = APIRouter(route_class=JSONBodyRoute)
 async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     prep = await state.workers.run(serving.PreparedCompletion, body, state)
-    return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
-                        lambda _, outputs: serving.stream(prep, outputs), lambda outputs: serving.complete(prep, outputs))
+    return await answer_choices(request, state, prep.prompt_ids, prep.params, prep.id, prep.n, body.stream,
+                                lambda _, outputs: serving.stream(prep, outputs),
+                                lambda outputs: serving.complete(prep, outputs))
 
 
 @router.post("/tokenize")

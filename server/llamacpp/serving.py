@@ -5,11 +5,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from ...engine.outputs import RequestOutput
+from ...engine.outputs import RequestOutput, TokenLogprob
 from ...engine.sampling_params import SamplingParamError
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
-from ..openai_common import check_model, timings
+from ..choices import all_of, merged
+from ..logprobs import TokenText, llamacpp_entries, llamacpp_logit_bias, new_logprobs
+from ..openai_common import check_choices, check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
 from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
@@ -21,6 +23,7 @@ class PreparedCompletion:
     def __init__(self, req: CompletionRequest, state: ServerState) -> None:
         check_model(state, req.model)
         req.reject_unsupported()
+        self.n = check_choices(state, req.choices, "n_cmpl" if req.n_cmpl is not None else "n")
         parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts),
                             "prompt")
@@ -39,12 +42,14 @@ class PreparedCompletion:
             raise APIError(400, "the prompt has no tokens", "prompt", "invalid_value")
         check_prompt(state, self.prompt_ids, "prompt")
         try:
-            self.params = req.sampling_params(state.sampling, state.default_max_tokens)
+            self.params = req.sampling_params(state.sampling, state.default_max_tokens,
+                                              llamacpp_logit_bias(state, req.logit_bias))
         except SamplingParamError as exc:
             raise APIError(400, str(exc), exc.param, "invalid_value") from exc
         self.id = "cmpl-" + uuid.uuid4().hex
         self.model = state.model_id
         self.req = req
+        self.token_text = TokenText(state.tokenizer)
         self.prompt_text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(self.prompt_ids)
 
 
@@ -64,13 +69,24 @@ def _settings(prep: PreparedCompletion) -> dict[str, Any]:
     return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "temperature": p.temperature,
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-            "seed": -1 if p.seed is None else p.seed, "ignore_eos": p.ignore_eos, "stop": list(p.stop)}
+            "seed": -1 if p.seed is None else p.seed, "ignore_eos": p.ignore_eos, "stop": list(p.stop),
+            "n_probs": p.logprobs or 0, "post_sampling_probs": p.logprobs_after_sampling}
 
 
-def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int]) -> dict[str, Any]:
+def probabilities(prep: PreparedCompletion, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """``completion_probabilities`` of these tokens, when the request asks (``n_probs``)."""
+    if not prep.params.logprobs:
+        return {}
+    return {"completion_probabilities": llamacpp_entries(prep.token_text, logprobs,
+                                                         prep.params.logprobs_after_sampling)}
+
+
+def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int],
+               logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
+    """The last object of an answer (``logprobs``: all its tokens', for one that is not streamed)."""
     kind, word = stop_type(final)
     return {
-        "index": 0,
+        "index": index,
         "content": content,
         "tokens": tokens,
         "id_slot": -1,
@@ -86,32 +102,42 @@ def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tok
         "stop_type": kind,
         "stopping_word": word,
         "timings": timings(final),
+        **({} if logprobs is None else probabilities(prep, logprobs)),
     }
 
 
-async def complete(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+async def _choice(prep: PreparedCompletion, index: int, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
     text: list[str] = []
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
     final: RequestOutput | None = None
     async for out in outputs:
         text.append(out.text)
         tokens += out.token_ids
+        logprobs += new_logprobs(out)
         final = out
     assert final is not None and final.finished
-    return final_body(prep, final, "".join(text), tokens)
+    return final_body(prep, final, "".join(text), tokens, logprobs, index)
 
 
-async def stream(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def complete(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOutput]]) -> Any:
+    """The result object; with several completions (``n_cmpl``), a list of them in order."""
+    results = await all_of([_choice(prep, i, o) for i, o in enumerate(outputs)])
+    return results if len(results) > 1 else results[0]
+
+
+async def stream(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     """llama.cpp's SSE: ``data:`` chunks with ``stop: false``, then one with ``stop: true`` and the
-    totals (its ``content`` is empty: all text came in the chunks before). No ``[DONE]``."""
+    totals per completion (its ``content`` is empty: all text came in the chunks before); each
+    chunk names its completion's ``index``. No ``[DONE]``."""
     try:
-        async for out in outputs:
+        async for i, out in merged(outputs):
             if out.text or out.token_ids:
-                yield sse_data({"index": 0, "content": out.text, "tokens": list(out.token_ids), "stop": False,
-                             "id_slot": -1, "tokens_predicted": out.completion_tokens,
-                             "tokens_evaluated": out.prompt_tokens})
+                yield sse_data({"index": i, "content": out.text, "tokens": list(out.token_ids), "stop": False,
+                                "id_slot": -1, "tokens_predicted": out.completion_tokens,
+                                "tokens_evaluated": out.prompt_tokens, **probabilities(prep, new_logprobs(out))})
             if out.finished:
-                yield sse_data(final_body(prep, out, "", []))
+                yield sse_data(final_body(prep, out, "", [], index=i))
     except APIError as exc:
         yield sse_data(exc.body())
 

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
+from ..logprobs import openai_logit_bias
+from ..state import ServerState
 from ..openai_common import (FunctionTool, callable_tools, function_tool, normalize_stops,
                              reject_unsupported_sampling, unique_names)
 
@@ -91,10 +93,10 @@ class ChatCompletionRequest(BaseModel):
     # llama.cpp-style observations
     timings_per_token: bool = False
     return_progress: bool = False
-    # accepted at their neutral values only
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None
+    # accepted at their neutral values only
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -131,8 +133,8 @@ class ChatCompletionRequest(BaseModel):
     def reject_unsupported(self) -> None:
         """400 for every field that asks for behaviour this server cannot provide."""
         reject_unsupported_sampling(self)
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", "log probabilities are not available yet")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs': true")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", "text output only")
         if self.verbosity not in (None, "medium"):
@@ -228,11 +230,17 @@ class ChatCompletionRequest(BaseModel):
         return {"enable_thinking": self.enable_thinking, "preserve_thinking": self.preserve_thinking,
                 "reasoning_effort": self.reasoning_effort}
 
-    def sampling(self) -> Sampling:
+    @property
+    def top(self) -> int | None:
+        """Alternatives per token when log-probabilities are asked for (None: they are not)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling(self, state: ServerState) -> Sampling:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                        seed=self.seed, max_tokens=max_tokens, stop=list(self.stop or []))
+                        seed=self.seed, max_tokens=max_tokens, stop=list(self.stop or []), logprobs=self.top,
+                        logit_bias=openai_logit_bias(state, self.logit_bias))
 
 
 def _text(m: ChatMessage) -> str:

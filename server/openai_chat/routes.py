@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ..answer import answer
+from ..answer import answer_choices
 from ..generation import tools_left_out
 from ..json_body import JSONBodyRoute
 from ..state import state_of
@@ -18,7 +18,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = state_of(request)
     chat = await state.workers.run(serving.PreparedChat, body, state)
     p = chat.prepared
-    return await answer(request, state, p.prompt_ids, p.params, chat.id, body.stream,
-                        lambda admitted, outputs: serving.stream(chat, admitted, outputs),
-                        lambda outputs: serving.complete(chat, outputs),
-                        omitted_tools=tools_left_out(state, p.tools), keep=p.keep)
+    return await answer_choices(request, state, p.prompt_ids, p.params, chat.id, chat.n, body.stream,
+                                lambda admitted, outputs: serving.stream(chat, admitted, outputs),
+                                lambda outputs: serving.complete(chat, outputs),
+                                omitted_tools=tools_left_out(state, p.tools), keep=p.keep)

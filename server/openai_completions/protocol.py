@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import invalid, unsupported
 from ..generation import Sampling
+from ..logprobs import openai_logit_bias
+from ..state import ServerState
 from ..openai_common import normalize_stops, reject_unsupported_sampling
 
 DEFAULT_MAX_TOKENS = 16  # the legacy API's documented default
@@ -39,7 +41,7 @@ class CompletionRequest(BaseModel):
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # constrained decoding, by its common names
     response_format: dict[str, Any] | None = None
@@ -60,6 +62,8 @@ class CompletionRequest(BaseModel):
             raise unsupported("best_of", "one candidate per request")
         if self.suffix:
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not supported")
+        if self.logprobs is not None and self.echo:
+            raise unsupported("logprobs", "with 'echo': the prompt's log-probabilities are not computed")
 
     def one_prompt(self) -> str | list[int]:
         """The single prompt: a string or token ids (a batch of several is refused)."""
@@ -72,7 +76,8 @@ class CompletionRequest(BaseModel):
             raise invalid("prompt", "the prompt is empty")
         return p
 
-    def sampling(self) -> Sampling:
+    def sampling(self, state: ServerState) -> Sampling:
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                        seed=self.seed, max_tokens=self.max_tokens, stop=list(self.stop or []))
+                        seed=self.seed, max_tokens=self.max_tokens, stop=list(self.stop or []),
+                        logprobs=self.logprobs, logit_bias=openai_logit_bias(state, self.logit_bias))

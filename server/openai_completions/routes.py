@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ..answer import answer
+from ..answer import answer_choices
 from ..json_body import JSONBodyRoute
 from ..state import state_of
 from . import serving
@@ -16,5 +16,6 @@ router = APIRouter(route_class=JSONBodyRoute)
 async def completions(body: CompletionRequest, request: Request):
     state = state_of(request)
     c = await state.workers.run(serving.PreparedCompletion, body, state)
-    return await answer(request, state, c.prompt_ids, c.params, c.id, body.stream,
-                        lambda _, outputs: serving.stream(c, outputs), lambda outputs: serving.complete(c, outputs))
+    return await answer_choices(request, state, c.prompt_ids, c.params, c.id, c.n, body.stream,
+                                lambda _, outputs: serving.stream(c, outputs),
+                                lambda outputs: serving.complete(c, outputs))

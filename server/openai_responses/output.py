@@ -5,7 +5,10 @@ reasoning Item (raw ``reasoning_text``, empty summary), an assistant message wit
 ``output_text`` part, and ``function_call`` Items. For each change it calls ``emit(type, body)``
 with the matching SSE event (without ``sequence_number``, which the stream adds). With ``seal``
 (``include: ["reasoning.encrypted_content"]``) a finished reasoning Item also carries its text
-sealed as ``encrypted_content``, for a client that sends the Item back.
+sealed as ``encrypted_content``, for a client that sends the Item back. With ``logprobs``
+(``include: ["message.output_text.logprobs"]``) each ``output_text`` delta carries the entries of
+the tokens that arrived since the one before (``tokens``), and the part all of its own; tokens
+whose text went to reasoning are not a message's.
 """
 from __future__ import annotations
 
@@ -13,20 +16,37 @@ from typing import Any, Callable
 
 from ...engine.frontend.assistant_output import AssistantEvent, ContentText, ReasoningText
 from ...engine.frontend.tool_parser import ToolCall
+from ...engine.outputs import TokenLogprob
 from ..openai_common import FunctionTool, new_id
 
 Emit = Callable[[str, dict[str, Any]], None]
 Seal = Callable[[str], str]
+Entries = Callable[[list[TokenLogprob]], list[dict[str, Any]]]
 
 
 class OutputBuilder:
-    def __init__(self, tools: dict[str, FunctionTool], emit: Emit | None = None, seal: Seal | None = None) -> None:
+    def __init__(self, tools: dict[str, FunctionTool], emit: Emit | None = None, seal: Seal | None = None,
+                 logprobs: Entries | None = None) -> None:
         self.tools = tools
         self.emit: Emit = emit or (lambda kind, body: None)
         self.seal = seal
+        self.logprobs = logprobs
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message Item receiving text
         self._text: list[str] = []
+        self._unsent: list[TokenLogprob] = []  # tokens whose text has not been placed yet
+        self._entries: list[dict[str, Any]] = []  # the open message part's logprobs
+
+    def tokens(self, logprobs: list[TokenLogprob]) -> None:
+        """The log-probabilities of tokens whose text ``push`` gets next (ignored unless asked for)."""
+        if self.logprobs is not None:
+            self._unsent += logprobs
+
+    def _take(self) -> list[dict[str, Any]]:
+        entries = self.logprobs(self._unsent) if self.logprobs is not None and self._unsent else []
+        self._unsent = []
+        self._entries += entries
+        return entries
 
     def push(self, events: list[AssistantEvent]) -> None:
         for event in events:
@@ -53,10 +73,11 @@ class OutputBuilder:
             self.emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
                                                        "content_index": 0, "text": text})
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            self._take()
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self._entries}
             item["content"] = [part]
             self.emit("response.output_text.done", {"item_id": item["id"], "output_index": index,
-                                                    "content_index": 0, "text": text, "logprobs": []})
+                                                    "content_index": 0, "text": text, "logprobs": self._entries})
         item["status"] = status
         self.emit("response.content_part.done", {"item_id": item["id"], "output_index": index,
                                                  "content_index": 0, "part": part})
@@ -74,7 +95,7 @@ class OutputBuilder:
                         "content": []}
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.items.append(item)
-            self._open, self._text = item, []
+            self._open, self._text, self._entries = item, [], []
             index = len(self.items) - 1
             self.emit("response.output_item.added", {"output_index": index, "item": _copy(item)})
             self.emit("response.content_part.added", {"item_id": item["id"], "output_index": index,
@@ -83,12 +104,14 @@ class OutputBuilder:
         body = {"item_id": self._open["id"], "output_index": len(self.items) - 1, "content_index": 0,
                 "delta": text}
         if kind == "reasoning":
+            self._unsent = []
             self.emit("response.reasoning_text.delta", body)
         else:
-            self.emit("response.output_text.delta", {**body, "logprobs": []})
+            self.emit("response.output_text.delta", {**body, "logprobs": self._take()})
 
     def _call(self, call: ToolCall) -> None:
         self.close()
+        self._unsent = []
         tool = self.tools[call.name]
         item: dict[str, Any] = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
                                 "arguments": "", "call_id": new_id("call_"),

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..errors import invalid, unsupported
 
 # ``include`` values with something to add: reasoning Items' sealed text (see sealing.py)
-INCLUDABLE = ("reasoning.encrypted_content",)
+INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 
 class Reasoning(BaseModel):
@@ -111,8 +111,6 @@ class ResponsesRequest(_Common):
 
     def reject_unsupported(self) -> None:
         self.reject_common()
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", "log probabilities are not available yet")
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported("service_tier", "only 'auto' or 'default'")
         if self.background:
@@ -130,6 +128,14 @@ class ResponsesRequest(_Common):
         if self.prompt_cache_options is not None and \
                 self.prompt_cache_options.get("mode", "implicit") not in ("implicit", "explicit"):
             raise invalid("prompt_cache_options.mode", "mode must be 'implicit' or 'explicit'")
+
+    @property
+    def top(self) -> int | None:
+        """Alternatives per token when the text's log-probabilities are asked for (by ``include`` or
+        a ``top_logprobs``), else None."""
+        if "message.output_text.logprobs" in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     @property
     def include_encrypted_reasoning(self) -> bool:

@@ -10,6 +10,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
 from ..generation import Sampling, check_prompt, prepare, render_prompt, template_options, tools_left_out
+from ..logprobs import TokenText, new_logprobs, openai_entries
 from ..openai_common import callable_tools, check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
@@ -80,7 +81,8 @@ class ResponseRun:
         self.p = PreparedResponse(req, state)
         self.req = req
         self.state = state
-        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens,
+                            logprobs=req.top)
         self.prepared = prepare(state, self.p.messages, tools=[t.template for t in self.p.tools],
                                 tool_specs=[t.spec for t in self.p.tools], options=self.p.options,
                                 sampling=sampling, thinking_budget=req.thinking_budget, budget_param="thinking_budget",
@@ -91,6 +93,8 @@ class ResponseRun:
         # reasoning Items carry their text sealed when the client keeps the state itself
         self.seal = state.reasoning_seal.seal if req.include_encrypted_reasoning else None
         self.seq = 0  # the stream's next sequence number
+        text = TokenText(state.tokenizer)
+        self.entries = None if req.top is None else (lambda lps: openai_entries(text, lps, req.top))
         # hosted tool types the server cannot run, and functions the chat template cannot show
         self.omitted_tools = self.p.omitted_tools + tools_left_out(state, self.prepared.tools)
 
@@ -123,7 +127,7 @@ class ResponseRun:
             "temperature": params.temperature, "top_p": params.top_p,
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": req.tools or [], "top_logprobs": 0, "truncation": "disabled",
+            "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "truncation": "disabled",
             "safety_identifier": req.safety_identifier,
             "prompt_cache_key": req.prompt_cache_key, "metadata": req.metadata or {},
             "service_tier": "default", "background": False,
@@ -158,9 +162,11 @@ def _usage(final: RequestOutput) -> dict[str, Any]:
 
 
 async def complete(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
-    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, seal=run.seal)
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, seal=run.seal,
+                                                   logprobs=run.entries)
     final: RequestOutput | None = None
     async for out in outputs:
+        builder.tokens(new_logprobs(out))
         builder.push(parser.push(out.text))
         final = out
     builder.push(parser.finish())
@@ -174,11 +180,12 @@ async def stream(run: ResponseRun, outputs: AsyncIterator[RequestOutput]) -> Asy
     def emit(kind: str, body: dict[str, Any]) -> None:
         frames.append(run.event(kind, body))
 
-    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit, run.seal)
+    parser, builder = run.parser(), OutputBuilder({t.name: t for t in run.p.tools}, emit, run.seal, run.entries)
     emit("response.created", {"response": run.obj("in_progress", [])})
     emit("response.in_progress", {"response": run.obj("in_progress", [])})
     try:
         async for out in outputs:
+            builder.tokens(new_logprobs(out))
             builder.push(parser.push(out.text))
             if out.finished:
                 builder.push(parser.finish())

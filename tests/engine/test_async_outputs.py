@@ -12,7 +12,7 @@ import pytest
 
 from ninfer.engine.async_engine import AsyncEngine, EngineError
 from ninfer.engine.engine_config import EngineConfig
-from ninfer.engine.outputs import RequestOutput
+from ninfer.engine.outputs import RequestOutput, TokenLogprob
 from ninfer.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +70,18 @@ def test_outputs_that_piled_up_are_read_as_one_with_the_same_text_and_tokens():
     assert [g.prompt_processed for g in got[1:3]] == [1, 2]  # each progress report on its own
     assert got[3].text == "".join(f"<{i}>" for i in range(41)) and got[3].token_ids == list(range(41))
     assert got[3].finished and got[3].finish_reason == "length" and got[3].completion_tokens == 41
+
+
+def test_piled_up_log_probabilities_stay_one_per_token_in_order():
+    outs = [RequestOutput("r", admitted=True, prompt_tokens=3)]
+    for i in range(30):
+        out = tokens("r", i, finished=i == 29)
+        out.logprobs = [TokenLogprob(i, -0.5 * i, ((i, -0.5 * i), (i + 1, -9.0)))]
+        outs.append(out)
+    got = asyncio.run(published_then_read(outs))
+    assert len(got) == 2 and got[1].token_ids == list(range(30))
+    assert [lp.token for lp in got[1].logprobs] == list(range(30))
+    assert [lp.logprob for lp in got[1].logprobs] == [-0.5 * i for i in range(30)]
 
 
 def test_an_error_is_never_merged_into_the_text_before_it():

@@ -112,7 +112,10 @@ def test_completion_token_prompt_stop_word_and_limit(client):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "bogus": 1}, "bogus"),
-    ({"prompt": "x", "n_probs": 3}, "n_probs"),
+    ({"prompt": "x", "n_probs": 101}, "n_probs"),
+    ({"prompt": "x", "logit_bias": [[1, 2, 3]]}, "logit_bias[0]"),
+    ({"prompt": "x", "logit_bias": {"1": "high"}}, "logit_bias.1"),
+    ({"prompt": "x", "logit_bias": [[10 ** 9, 1.0]]}, "logit_bias[0]"),
     ({"prompt": [1, -5]}, "prompt[1]"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
 ])

@@ -123,10 +123,13 @@ def test_seed_makes_sampling_repeatable(client):
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
         ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools[0].function.strict"),
-        ({"logprobs": True}, 400, "logprobs"),
-        ({"n": 2}, 400, "n"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"logit_bias": {"abc": 1}}, 400, "logit_bias.abc"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+        ({"logit_bias": {"100000": 1}}, 400, "logit_bias.100000"),
+        ({"n": 100}, 400, "n"),  # more choices than lanes
         ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
-        ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )

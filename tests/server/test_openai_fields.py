@@ -29,9 +29,9 @@ def user_part(part: dict) -> list:
 CHAT_REJECTED = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"42": 500}}, "logit_bias.42"),
+    ({"logit_bias": {"forty-two": 5}}, "logit_bias.forty-two"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"messages": user_part({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}})},
      "messages[0].content[0]"),
@@ -60,7 +60,7 @@ CHAT_REJECTED = [
     ({"guided_regex": "a+"}, "guided_regex"),
     ({"guided_choice": ["a"]}, "guided_choice"),
     ({"guided_grammar": "x"}, "guided_grammar"),
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),  # more choices than lanes
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
     ({"messages": [{"role": "user", "content": "hi", "name": "alice"}]}, "messages[0].name"),
@@ -122,10 +122,10 @@ RESPONSES_REJECTED = [
     ({"context_management": [{"type": "compaction"}]}, "context_management", None),
     ({"moderation": {"model": "m"}}, "moderation", None),
     ({"text": {"format": {"type": "json_object"}}}, "text.format", None),
-    ({"include": ["message.output_text.logprobs"]}, "include[0]", None),
+    ({"include": ["file_search_call.results"]}, "include[0]", None),
     ({"background": True}, "background", None),
     ({"truncation": "auto"}, "truncation", None),
-    ({"top_logprobs": 3}, "top_logprobs", None),
+    ({"top_logprobs": 21}, "top_logprobs", None),
     ({"service_tier": "flex"}, "service_tier", None),
     ({"tools": [{"type": "shell"}]}, "tools[0].type", None),
     ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice", None),
@@ -178,8 +178,9 @@ def test_responses_neutral_values_are_accepted(http):
 
 
 def test_legacy_completions_refusals(http):
-    for fields, param in [({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 2}, "logprobs"),
-                          ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": 1}}, "logit_bias"),
+    for fields, param in [({"n": 100}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 6}, "logprobs"),
+                          ({"logprobs": 2, "echo": True}, "logprobs"),
+                          ({"suffix": "x"}, "suffix"), ({"logit_bias": {"1": -101}}, "logit_bias.1"),
                           ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt[0]")]:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)

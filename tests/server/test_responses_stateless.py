@@ -163,7 +163,7 @@ def test_forced_hosted_tool_choice_is_refused(http):
 
 
 def test_other_include_values_are_refused(http):
-    body = codex_body(include=["reasoning.encrypted_content", "message.output_text.logprobs"])
+    body = codex_body(include=["reasoning.encrypted_content", "file_search_call.results"])
     refused(http.post("/v1/responses", json=body), "include[1]", http)
 
 
