@@ -58,7 +58,7 @@ def test_distinct_prompts_take_the_same_steps_and_time_with_the_cache_as_without
     prefix = cached.caches.prefix
     assert prefix is not None and plain.caches.prefix is None
     times = {"on": [], "off": []}
-    for round_ in range(4):  # alternating, so a slower moment of the machine falls on both
+    for round_ in range(8):  # alternating, so a slower moment of the machine falls on both; the least of seven each
         for name, eng in (("on", cached), ("off", plain)) if round_ % 2 else (("off", plain), ("on", cached)):
             steps, spent, out = run(eng, load(round_))
             times[name].append((steps, spent, out))
