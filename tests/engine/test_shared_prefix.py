@@ -43,12 +43,13 @@ def test_two_requests_sharing_a_long_system_prompt_finish_sooner(parts):
     model, tok = parts
     system = tok.encode("You are a careful assistant that reads the repository before it answers. " * 60)
     prompts = {"a": system + tok.encode("Summarize the design."), "b": system + tok.encode("List the tests.")}
-    times, outs = {}, {}
-    for cached in (False, True):
+    times, outs = {False: float("inf"), True: float("inf")}, {}
+    for cached in (False, True, True, False):  # each twice, the least counts: a busy moment falls on one
         eng = LLMEngine(model, tok, EngineConfig(max_context=2048, max_concurrency=2, prefill_chunk=1024,
                                                  max_batched_tokens=2048, prefix_cache=cached))
         finish(eng, {"warm": tok.encode("Hello there, how are you?")})  # the first steps are slower
-        times[cached], outs[cached] = finish(eng, prompts)
+        spent, outs[cached] = finish(eng, prompts)
+        times[cached] = min(times[cached], spent)
     shared = outs[True]["b"][1]
     assert shared >= len(system) - 2 and outs[False]["b"][1] == 0
     assert outs[True] == {**outs[False], "b": (outs[False]["b"][0], shared)}  # the same tokens
