@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
+from ..engine.grammar import GrammarSpec
 from ..engine.async_engine import EngineError
 from ..engine.frontend.chat_template import TemplateError
 from ..engine.frontend.control_guard import guard_for
@@ -49,6 +50,7 @@ class Sampling:
     stop: Sequence[str] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the k best, per token
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # checked ids (``server/logprobs.py``)
+    grammar: GrammarSpec | None = None  # the output's format, checked (``server/structured.py``)
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,7 @@ def sampling_params(state: ServerState, s: Sampling, thinking: ThinkingControl |
             thinking=thinking,
             logprobs=s.logprobs,
             logit_bias=dict(s.logit_bias),
+            grammar=s.grammar,
         )
     except SamplingParamError as exc:
         raise invalid(exc.param, str(exc)) from exc

@@ -22,22 +22,11 @@ def normalize_stops(value: str | list[str] | None) -> list[str]:
     return stops
 
 
-CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                       "guided_grammar", "guided_decoding_backend", "json_schema")
-
-
 def reject_unsupported_sampling(req: Any) -> None:
-    """The refusals Chat Completions and legacy Completions share: a repetition penalty,
-    structured output or constrained decoding under any of its names, and ``stream_options``
-    without streaming. Fields a request model does not declare read as unset."""
+    """The refusals Chat Completions and legacy Completions share: a repetition penalty and
+    ``stream_options`` without streaming. Fields a request model does not declare read as unset."""
     if req.repetition_penalty is not None and req.repetition_penalty != 1:
         raise unsupported("repetition_penalty", "only the neutral value 1")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "structured output (JSON mode or schema) needs constrained "
-                          "decoding; only {'type': 'text'}")
-    for name in CONSTRAINED_ALIASES:
-        if getattr(req, name, None) is not None:
-            raise unsupported(name, "constrained decoding is not available")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "'stream_options' requires 'stream': true")
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ..errors import invalid, unsupported
 from ..state import SamplingDefaults
+from ..structured import request_grammar
 
 
 class CompletionRequest(BaseModel):
@@ -43,6 +44,8 @@ class CompletionRequest(BaseModel):
     n_probs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # per token, its probability and the n best
     post_sampling_probs: bool = False  # probabilities after the sampling chain, not the raw logits' log-softmax
     logit_bias: Union[list[Any], dict[str, Any], None] = None  # [[token, bias], ...] or {token: bias}
+    grammar: str | None = None  # GBNF ("" = none)
+    json_schema: dict[str, Any] | None = None
     model: str | None = None
 
     @field_validator("stop")
@@ -93,6 +96,7 @@ class CompletionRequest(BaseModel):
             logprobs=self.n_probs or None,
             logprobs_after_sampling=self.post_sampling_probs,
             logit_bias=logit_bias or {},
+            grammar=request_grammar(self),
         )
 
 

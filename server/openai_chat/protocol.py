@@ -15,6 +15,7 @@ from ..errors import invalid, unsupported
 from ..generation import Sampling
 from ..logprobs import openai_logit_bias
 from ..state import ServerState
+from ..structured import request_grammar
 from ..openai_common import (FunctionTool, callable_tools, function_tool, normalize_stops,
                              reject_unsupported_sampling, unique_names)
 
@@ -240,7 +241,8 @@ class ChatCompletionRequest(BaseModel):
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         seed=self.seed, max_tokens=max_tokens, stop=list(self.stop or []), logprobs=self.top,
-                        logit_bias=openai_logit_bias(state, self.logit_bias))
+                        logit_bias=openai_logit_bias(state, self.logit_bias),
+                        grammar=request_grammar(self, self.response_format))
 
 
 def _text(m: ChatMessage) -> str:

@@ -9,6 +9,7 @@ from ..errors import invalid, unsupported
 from ..generation import Sampling
 from ..logprobs import openai_logit_bias
 from ..state import ServerState
+from ..structured import request_grammar
 from ..openai_common import normalize_stops, reject_unsupported_sampling
 
 DEFAULT_MAX_TOKENS = 16  # the legacy API's documented default
@@ -50,6 +51,9 @@ class CompletionRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
+    guided_decoding_backend: Any = None
+    json_schema: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -80,4 +84,5 @@ class CompletionRequest(BaseModel):
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         seed=self.seed, max_tokens=self.max_tokens, stop=list(self.stop or []),
-                        logprobs=self.logprobs, logit_bias=openai_logit_bias(state, self.logit_bias))
+                        logprobs=self.logprobs, logit_bias=openai_logit_bias(state, self.logit_bias),
+                        grammar=request_grammar(self, self.response_format))

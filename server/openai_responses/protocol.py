@@ -62,9 +62,6 @@ class _Common(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise unsupported("truncation", "overlong input fails instead of dropping items; only 'disabled'")
         if self.text is not None:
-            fmt = self.text.format
-            if fmt is not None and fmt.get("type") != "text":
-                raise unsupported("text.format", "structured output needs constrained decoding; only {'type': 'text'}")
             if self.text.verbosity not in (None, "medium"):
                 raise unsupported("text.verbosity", "only 'medium'")
 

@@ -14,6 +14,7 @@ from ..logprobs import TokenText, new_logprobs, openai_entries
 from ..openai_common import callable_tools, check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
+from ..structured import request_grammar
 from .items import normalize_input, to_messages
 from .output import OutputBuilder
 from .protocol import InputTokensRequest, ResponsesRequest
@@ -82,7 +83,8 @@ class ResponseRun:
         self.req = req
         self.state = state
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens,
-                            logprobs=req.top)
+                            logprobs=req.top,
+                            grammar=request_grammar(None, req.text.format if req.text else None, "text.format"))
         self.prepared = prepare(state, self.p.messages, tools=[t.template for t in self.p.tools],
                                 tool_specs=[t.spec for t in self.p.tools], options=self.p.options,
                                 sampling=sampling, thinking_budget=req.thinking_budget, budget_param="thinking_budget",

@@ -130,7 +130,7 @@ def test_seed_makes_sampling_repeatable(client):
         ({"n": 100}, 400, "n"),  # more choices than lanes
         ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "xml"}}, 400, "response_format.type"),
     ],
 )
 def test_bad_requests_name_the_field(client, body, status, param):

@@ -27,8 +27,10 @@ def user_part(part: dict) -> list:
 
 
 CHAT_REJECTED = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
     ({"logit_bias": {"42": 500}}, "logit_bias.42"),
     ({"logit_bias": {"forty-two": 5}}, "logit_bias.forty-two"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
@@ -54,12 +56,17 @@ CHAT_REJECTED = [
     ({"store": True}, "store"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
-    ({"grammar": "root ::= x"}, "grammar"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
-    ({"guided_json": {}}, "guided_json"),
-    ({"guided_regex": "a+"}, "guided_regex"),
-    ({"guided_choice": ["a"]}, "guided_choice"),
+    ({"grammar": "root ::= x"}, "grammar"),  # x is no rule
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"json_schema": {}}}, "structured_outputs.json_schema"),
+    ({"guided_json": "[1,"}, "guided_json"),
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "x"}, "guided_grammar"),
+    ({"guided_json": {}, "guided_regex": "a+"}, "guided_regex"),  # one constraint per request
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"n": 65}, "n"),  # more choices than lanes
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
@@ -121,7 +128,8 @@ RESPONSES_REJECTED = [
     ({"prompt": {"id": "pmpt_1"}}, "prompt", None),
     ({"context_management": [{"type": "compaction"}]}, "context_management", None),
     ({"moderation": {"model": "m"}}, "moderation", None),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format", None),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", None),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type", None),
     ({"include": ["file_search_call.results"]}, "include[0]", None),
     ({"background": True}, "background", None),
     ({"truncation": "auto"}, "truncation", None),
