@@ -22,7 +22,7 @@ from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .openai_chat.routes import router as chat_router
 from .openai_completions.routes import router as completions_router
 from .openai_responses.routes import router as responses_router
-from .openai_common import check_model
+from .openai_common import known_model
 from .routing import PathAliasMiddleware
 from .state import ServerState
 
@@ -58,7 +58,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        return _model(state, check_model(state, model_id, status=404))
+        return _model(state, known_model(state, model_id))
 
     app.include_router(chat_router)
     app.include_router(completions_router)
@@ -76,5 +76,5 @@ def create_app(state: ServerState) -> FastAPI:
     anthropic.install(app)  # after auth: its envelope reshapes every /v1/messages* error
     observability.install(app, state)  # sees what the client sees
     app.add_middleware(PathAliasMiddleware)  # outermost: every layer sees the /v1 path
-    openapi.install(app, _open, bool(state.api_key), state.public_names)
+    openapi.install(app, _open, bool(state.api_key), state.public_names, state.strict_model_names)
     return app

@@ -112,6 +112,7 @@ def gateway_settings(args: argparse.Namespace) -> dict:
         responses=ResponseStore(int(args.response_store_mib * (1 << 20))),
         reasoning_seal=ReasoningSeal.from_file(Path(args.reasoning_key_file) if args.reasoning_key_file else None),
         strict_tools=args.strict_tools,
+        strict_model_names=args.strict_model_names,
         workers=PrepareWorkers(args.prepare_threads),
     )
 

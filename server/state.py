@@ -47,6 +47,9 @@ class ServerState:
     generation: GenerationDefaults
     api_key: str | None = None
     aliases: tuple[str, ...] = ()  # names accepted besides model_id (--served-model-name)
+    # --strict-model-names: a request naming a model outside public_names is refused (a router in
+    # front of several servers); by default any name is served by the one model
+    strict_model_names: bool = False
     thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)
     default_max_tokens: int | None = None  # output tokens when a request names none (None: to the context)
     max_request_bytes: int = 32 << 20  # raw request bodies beyond this get 413 before parsing

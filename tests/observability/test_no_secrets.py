@@ -27,7 +27,7 @@ SHORT = {"max_tokens": 2, "temperature": 0}
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secrets")
     log = tmp / "requests.jsonl"
-    proc = ServerProcess([SERVE, "--api-key", KEY, "--request-log-jsonl",
+    proc = ServerProcess([SERVE, "--api-key", KEY, "--strict-model-names", "--request-log-jsonl",
                           str(log), "--max-context", "1024", "--log-level", "trace"], tmp / "server.out")
     try:
         yield proc, log
