@@ -15,6 +15,7 @@ router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/completion")
+@router.post("/completions")  # llama-server's second spelling; the OpenAI one is /v1/completions
 async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     prep = await state.workers.run(serving.PreparedCompletion, body, state)

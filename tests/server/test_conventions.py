@@ -152,13 +152,27 @@ def test_strict_model_names_take_the_public_names(strict, path, body):
         assert r.json()["model"] in (name or "scripted", "scripted")
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions"])
 def test_completions_without_model_and_with_an_alias(http, path):
     r = http.post(path, json={"prompt": "2+2=", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["model"] == "scripted"
     r = http.post(path, json={"model": "alias-a", "prompt": "2+2=", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["model"] == "alias-a"
     assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == ANSWER
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions"])
+def test_completions_without_v1_is_llamacpp_native(http, path):
+    """As in llama-server: ``/completions`` is ``/completion``, ``/v1/completions`` the OpenAI one."""
+    r = http.post(path, json={"prompt": "2+2=", "n_predict": 8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == ANSWER and body["stop"] is True and "choices" not in body
+    assert body["tokens"] and all(isinstance(t, int) for t in body["tokens"])
+    assert body["timings"]["predicted_n"] == len(body["tokens"]) and body["tokens_evaluated"] > 0
+    with http.stream("POST", path, json={"prompt": "2+2=", "n_predict": 8, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(c["content"] for c in chunks) == ANSWER and chunks[-1]["stop"] is True
 
 
 def test_responses_without_model_and_with_an_alias(http):
@@ -184,7 +198,7 @@ def test_the_openai_sdk_without_v1_in_its_base_url(served):
     assert [m.id for m in client.models.list().data] == NAMES
     reply = client.chat.completions.create(model="alias-a", messages=MESSAGES)
     assert reply.model == "alias-a" and reply.choices[0].message.content == ANSWER
-    assert client.completions.create(model="scripted", prompt="2+2=", max_tokens=8).choices[0].text == ANSWER
+    # /completions is llama.cpp's native completion, as in llama-server: legacy Completions need /v1
 
 
 def _names(*argv: str) -> dict:
