@@ -1,7 +1,7 @@
 """The FastAPI application: one route table, one error wrapper, and the middleware around it.
 
 Middleware, outermost first: llama.cpp's path spellings without ``/v1`` rewritten to their routes
-(``routing.py``), then (``middleware.py``) request id, CORS (``--cors``), bearer-key auth
+(``routing.py``), then (``middleware.py``) request id, CORS (``--cors``, default ``localhost``), bearer-key auth
 (``--api-key``; not on ``/health``, the public web pages, or CORS preflights), the raw body
 limit (``--max-request-mib``, 413 before JSON parsing). Every route with a JSON body parses and
 checks it in ``json_body.JSONBodyRoute``. ``/openapi.json`` describes the routes.
@@ -18,7 +18,7 @@ from .anthropic import routes as anthropic
 from .errors import install_handlers
 from .json_body import JSONBodyRoute
 from .llamacpp.routes import router as llamacpp_router
-from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware, cors_settings
 from .openai_chat.routes import router as chat_router
 from .openai_completions.routes import router as completions_router
 from .openai_responses.routes import router as responses_router
@@ -68,10 +68,9 @@ def create_app(state: ServerState) -> FastAPI:
     # added innermost first
     app.add_middleware(BodyLimitMiddleware, limit=state.max_request_bytes)
     app.add_middleware(AuthMiddleware, key=state.api_key, is_open=_open)
-    if state.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id"],
-                           allow_credentials="*" not in state.cors_origins)
+    cors = cors_settings(state.cors_origins)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestIdMiddleware)
     anthropic.install(app)  # after auth: its envelope reshapes every /v1/messages* error
     observability.install(app, state)  # sees what the client sees

@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-thinking-budget", type=int, default=None, metavar="N",
                    help="close the reasoning of thinking requests after N tokens and let the answer continue")
     p.add_argument("--cors", default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed to call the API ('*' for any)")
+                   help="comma-separated browser origins allowed to call the API: 'localhost' for pages served "
+                        "from this machine (localhost, 127.0.0.1, [::1], any port), '*' for any, '' for none "
+                        "(default: localhost)")
     p.add_argument("--max-request-mib", type=float, default=32,
                    help="refuse request bodies larger than this with HTTP 413 (default 32)")
     p.add_argument("--prepare-threads", type=int, default=DEFAULT_THREADS, metavar="N",

@@ -53,7 +53,9 @@ class ServerState:
     thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)
     default_max_tokens: int | None = None  # output tokens when a request names none (None: to the context)
     max_request_bytes: int = 32 << 20  # raw request bodies beyond this get 413 before parsing
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
+    # browser origins allowed to call the API (--cors): "*" any, "localhost" any page served from
+    # this machine (http or https, localhost, 127.0.0.1 or [::1], any port), the default
+    cors_origins: tuple[str, ...] = ("localhost",)
     keepalive_s: float = 5.0  # an SSE comment after this long without an event
     responses: Any = None  # ResponseStore (server/openai_responses/store.py)
     reasoning_seal: Any = None  # ReasoningSeal (server/openai_responses/sealing.py): encrypted_content
