@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..answer import answer
+from ..answer import Job, answer, answer_batch
 from ..json_body import JSONBodyRoute
 from ..openai_common import check_model
 from ..state import state_of
@@ -18,9 +18,21 @@ router = APIRouter(route_class=JSONBodyRoute)
 @router.post("/completions")  # llama-server's second spelling; the OpenAI one is /v1/completions
 async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
-    prep = await state.workers.run(serving.PreparedCompletion, body, state)
-    return await answer(request, state, prep.prompt_ids, prep.params, prep.id, body.stream,
-                        lambda _, outputs: serving.stream(prep, outputs), lambda outputs: serving.complete(prep, outputs))
+    preps, batch = await state.workers.run(serving.prepare_completion, body, state)
+    return await completion_answer(request, state, preps, batch, body.stream)
+
+
+async def completion_answer(request: Request, state, preps: list[serving.PreparedCompletion], batch: bool,
+                            stream: bool):
+    """One prompt's answer, or a batch's: a list of them (their frames interleaved when streamed)."""
+    if not batch:
+        prep = preps[0]
+        return await answer(request, state, prep.prompt_ids, prep.params, prep.id, stream,
+                            lambda _, outputs: serving.stream(prep, outputs),
+                            lambda outputs: serving.complete(prep, outputs))
+    jobs = [Job(p.prompt_ids, p.params, p.id, (lambda p: lambda outputs: serving.stream(p, outputs))(p),
+                (lambda p: lambda outputs: serving.complete(p, outputs))(p)) for p in preps]
+    return await answer_batch(request, state, jobs, stream)
 
 
 @router.post("/tokenize")

@@ -6,46 +6,70 @@ import uuid
 from typing import Any, AsyncIterator
 
 from ...engine.outputs import RequestOutput
-from ...engine.sampling_params import SamplingParamError
+from ...engine.sampling_params import SamplingParamError, SamplingParams
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
 from ..openai_common import check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
-from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
+from .protocol import ApplyTemplateRequest, CompletionRequest, PromptParts, TokenizeRequest, prompt_list
 
 REPLACEMENT = "\ufffd"
 
 
-class PreparedCompletion:
-    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
-        check_model(state, req.model)
-        req.reject_unsupported()
-        parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts),
-                            "prompt")
-        if isinstance(req.prompt, str):
-            self.prompt_ids = state.tokenizer.encode(req.prompt)
+def prompt_ids(state: ServerState, parts: PromptParts, param: str) -> list[int]:
+    """The ids of one prompt given as texts and token ids in order (each text tokenized alone)."""
+    check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts), param)
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            ids += state.tokenizer.encode(part)
         else:
-            ids: list[int] = []
-            for i, part in enumerate(req.prompt):
-                if isinstance(part, str):
-                    ids += state.tokenizer.encode(part)
-                else:
-                    check_token_ids(state, [part], "prompt", offset=i)
-                    ids.append(part)
-            self.prompt_ids = ids
-        if not self.prompt_ids:
-            raise APIError(400, "the prompt has no tokens", "prompt", "invalid_value")
-        check_prompt(state, self.prompt_ids, "prompt")
-        try:
-            self.params = req.sampling_params(state.sampling, state.default_max_tokens)
-        except SamplingParamError as exc:
-            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+            check_token_ids(state, [part], param, offset=i)
+            ids.append(part)
+    if not ids:
+        raise APIError(400, "the prompt has no tokens", param, "invalid_value")
+    check_prompt(state, ids, param)
+    return ids
+
+
+class PreparedCompletion:
+    """One prompt of a ``/completion`` (or ``/infill``) request, tokenized and checked, with the
+    request's sampling parameters; ``index``: its place in a batch."""
+
+    def __init__(self, req: CompletionRequest, state: ServerState, ids: list[int], params: SamplingParams,
+                 index: int = 0, text: str | None = None) -> None:
+        self.prompt_ids = ids
+        self.params = params
+        self.index = index
         self.id = "cmpl-" + uuid.uuid4().hex
         self.model = state.model_id
         self.req = req
-        self.prompt_text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(self.prompt_ids)
+        self.prompt_text = text if text is not None else state.tokenizer.decode(ids)
+
+
+def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
+    try:
+        return req.sampling_params(state.sampling, state.default_max_tokens)
+    except SamplingParamError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+
+
+def prepare_completion(req: CompletionRequest, state: ServerState) -> tuple[list[PreparedCompletion], bool]:
+    """The prompts of a ``/completion`` request, and whether it is a batch (answered as a list)."""
+    check_model(state, req.model)
+    req.reject_unsupported()
+    try:
+        prompts, batch = prompt_list(req.prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt", "invalid_value") from exc
+    params = completion_params(req, state)
+    out = []
+    for i, parts in enumerate(prompts):
+        ids = prompt_ids(state, parts, f"prompt[{i}]" if batch else "prompt")
+        text = parts[0] if len(parts) == 1 and isinstance(parts[0], str) else None
+        out.append(PreparedCompletion(req, state, ids, params, i, text))
+    return out, batch
 
 
 def stop_type(final: RequestOutput) -> tuple[str, str]:
@@ -70,7 +94,7 @@ def _settings(prep: PreparedCompletion) -> dict[str, Any]:
 def final_body(prep: PreparedCompletion, final: RequestOutput, content: str, tokens: list[int]) -> dict[str, Any]:
     kind, word = stop_type(final)
     return {
-        "index": 0,
+        "index": prep.index,
         "content": content,
         "tokens": tokens,
         "id_slot": -1,
@@ -98,7 +122,24 @@ async def complete(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutpu
         tokens += out.token_ids
         final = out
     assert final is not None and final.finished
-    return final_body(prep, final, "".join(text), tokens)
+    return picked(final_body(prep, final, "".join(text), tokens), prep.req.response_fields)
+
+
+def picked(body: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """Only the ``fields`` of ``body`` (all of it when none are named), each under its path:
+    ``generation_settings/n_predict`` is that nested value; a path that leads nowhere is left out."""
+    if not fields:
+        return body
+    out: dict[str, Any] = {}
+    for path in fields:
+        value: Any = body
+        for key in path.strip("/").split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 async def stream(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
@@ -107,7 +148,7 @@ async def stream(prep: PreparedCompletion, outputs: AsyncIterator[RequestOutput]
     try:
         async for out in outputs:
             if out.text or out.token_ids:
-                yield sse_data({"index": 0, "content": out.text, "tokens": list(out.token_ids), "stop": False,
+                yield sse_data({"index": prep.index, "content": out.text, "tokens": list(out.token_ids), "stop": False,
                              "id_slot": -1, "tokens_predicted": out.completion_tokens,
                              "tokens_evaluated": out.prompt_tokens})
             if out.finished:
