@@ -19,6 +19,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     thinking: ThinkingControl | None = None  # the output starts inside a reasoning block
+    # an embedding request (engine/pooling.py): none | mean | last; its output is the prompt's
+    # final hidden states pooled so, and it samples nothing (max_tokens must be 0)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -36,6 +39,11 @@ class SamplingParams:
                 raise SamplingParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
         if any(not s for s in self.stop):
             raise SamplingParamError("stop", "stop strings must not be empty")
+        if self.pooling is not None:
+            if self.pooling not in ("none", "mean", "last"):
+                raise SamplingParamError("pooling", f"pooling must be none, mean or last, got {self.pooling!r}")
+            if self.max_tokens != 0:
+                raise SamplingParamError("max_tokens", "an embedding request generates nothing: max_tokens must be 0")
 
     @property
     def greedy(self) -> bool:

@@ -116,7 +116,8 @@ class Scheduler:
                 req.snapshot = None
                 self.stats.restored += 1
             else:
-                start = self.caches.continuation(req.all_ids)  # a prefix checkpoint to go on from
+                # a prefix checkpoint to go on from (not for embeddings: they pool every prompt token)
+                start = None if req.pooled is not None else self.caches.continuation(req.all_ids)
                 done = 0 if start is None else start.length
                 first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
@@ -151,7 +152,7 @@ class Scheduler:
         ``req`` waits until it is taken, then goes on from it."""
         if req.shares is None:
             req.shares = False
-            if self.caches.prefix is not None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
+            if self.caches.prefix is not None and req.pooled is None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
                 best = 0
                 for other in self.running:
                     if other.status is Status.PREFILL:
