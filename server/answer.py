@@ -89,9 +89,16 @@ async def answer_batch(request: Request, state: ServerState, jobs: Sequence[Job]
     """Several prompts of one request run side by side. Aggregate: a JSON list of the jobs' bodies
     in order. Streamed: every job's frames, interleaved as they come (each frame carries its
     job's ``index``). The client going away cancels them all."""
+    if not stream:
+        return JSONResponse(await run_batch(request, state, jobs))
     started = await cancel_on_disconnect(request, _start_all(state, jobs))
-    if stream:
-        return sse_response(_merged(jobs, started), state.keepalive_s)
+    return sse_response(_merged(jobs, started), state.keepalive_s)
+
+
+async def run_batch(request: Request, state: ServerState, jobs: Sequence[Job]) -> list[Any]:
+    """Every job's ``whole`` result, in order, the jobs running side by side; the first failure
+    (or the client going away) cancels the others."""
+    started = await cancel_on_disconnect(request, _start_all(state, jobs))
 
     async def whole() -> list[Any]:
         tasks = [asyncio.ensure_future(job.whole(outputs)) for job, outputs in zip(jobs, started)]
@@ -102,7 +109,7 @@ async def answer_batch(request: Request, state: ServerState, jobs: Sequence[Job]
                 await outputs.aclose()
         return [task.result() for task in tasks]
 
-    return JSONResponse(await cancel_on_disconnect(request, whole()))
+    return await cancel_on_disconnect(request, whole())
 
 
 async def _merged(jobs: Sequence[Job], started: list[Outputs]) -> AsyncIterator[str]:

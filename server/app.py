@@ -17,6 +17,7 @@ from . import observability, openapi, web
 from .anthropic import routes as anthropic
 from .errors import install_handlers
 from .json_body import JSONBodyRoute
+from .embeddings.routes import router as embeddings_router
 from .llamacpp.routes import router as llamacpp_router
 from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware, cors_settings
 from .openai_chat.routes import router as chat_router
@@ -63,6 +64,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(responses_router)
+    app.include_router(embeddings_router)
     web.install(app)
     app.include_router(llamacpp_router)
     # added innermost first

@@ -233,6 +233,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop 
         sampling=sampling_defaults(args, ckpt),
         generation=ckpt.generation,
         api_key=args.api_key,
+        pooling=ckpt.pooling,
         **gateway_settings(args),
     )
     state.observability = observability.setup(args, state)

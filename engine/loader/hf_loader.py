@@ -97,6 +97,18 @@ def generation_defaults(path: str, config: ModelConfig) -> GenerationDefaults:
     return GenerationDefaults.read(eos_ids, gen.get)
 
 
+def declared_pooling(path: str) -> str:
+    """The pooling a sentence-transformers checkpoint declares: its ``modules.json`` names a
+    Pooling module whose ``config.json`` sets ``pooling_mode_lasttoken`` (Qwen3-Embedding) ->
+    "last"; anything else -> "mean"."""
+    for module in _read_json(os.path.join(path, "modules.json")) or []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            cfg = _read_json(os.path.join(path, str(module.get("path", "")), "config.json")) or {}
+            if cfg.get("pooling_mode_lasttoken"):
+                return "last"
+    return "mean"
+
+
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     """A ``Checkpoint`` for a Hugging Face directory; weights are read only when iterated.
 
@@ -129,4 +141,5 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         generation=generation_defaults(path, config),
         source=path,
         skipped_prefixes=tuple(skipped),
+        pooling=declared_pooling(path),
     )
