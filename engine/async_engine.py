@@ -37,7 +37,7 @@ def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     first.text += later.text
     first.token_ids = first.token_ids + later.token_ids
     for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time"):
+                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time", "embedding"):
         setattr(first, name, getattr(later, name))
     return first
 

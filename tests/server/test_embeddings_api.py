@@ -190,3 +190,21 @@ def test_any_model_name_and_generation_beside(served):
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     done = served.http.post("/completion", json={"prompt": TEXTS[0], "n_predict": 4, "ignore_eos": True}).json()
     assert done["tokens_predicted"] == 4
+
+
+def test_the_engine_in_a_process_of_its_own(tmp_path):
+    """The default set-up: the pooled states cross the pipe from the engine's process."""
+    path = save_tiny_qwen3_5(tmp_path / "tiny")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    args = build_parser().parse_args([str(path), "--device", "cpu", "--dtype", "float32", "--max-context", "256",
+                                      "--prefill-chunk", "16"])
+    state, loop = build_state(args)
+    loop.start()
+    try:
+        with LiveServer(create_app(state)) as live:
+            served = Served(live, state, reference, "mean")
+            body = served.http.post("/v1/embeddings", json={"input": TEXTS}).json()
+            for d, text in zip(body["data"], TEXTS):
+                close(d["embedding"], served.expected(served.ids(text))[0])
+    finally:
+        loop.stop()
