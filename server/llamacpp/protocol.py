@@ -137,3 +137,26 @@ class ApplyTemplateRequest(BaseModel):
 
     messages: list[Any] = Field(min_length=1)
     model: str | None = None
+
+
+class ExtraChunkModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    filename: str = "tmp"
+
+
+class InfillRequest(CompletionRequest):
+    """llama.cpp's ``/infill``: the text before the gap (``input_prefix``), after it
+    (``input_suffix``), other files of the project (``input_extra``), and a ``prompt`` that goes
+    on from the prefix (may be empty); every ``/completion`` sampling field besides."""
+
+    prompt: Union[str, list[Union[int, str]]] = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunkModel] = Field(default_factory=list)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+        return v  # empty: the model goes on from the prefix alone

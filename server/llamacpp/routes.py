@@ -9,7 +9,7 @@ from ..json_body import JSONBodyRoute
 from ..openai_common import check_model
 from ..state import state_of
 from . import serving
-from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ApplyTemplateRequest, CompletionRequest, DetokenizeRequest, InfillRequest, TokenizeRequest
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -20,6 +20,13 @@ async def completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     preps, batch = await state.workers.run(serving.prepare_completion, body, state)
     return await completion_answer(request, state, preps, batch, body.stream)
+
+
+@router.post("/infill")
+async def infill(body: InfillRequest, request: Request):
+    state = state_of(request)
+    prep = await state.workers.run(serving.prepare_infill, body, state)
+    return await completion_answer(request, state, [prep], False, body.stream)
 
 
 async def completion_answer(request: Request, state, preps: list[serving.PreparedCompletion], batch: bool,

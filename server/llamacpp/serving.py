@@ -5,6 +5,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from ...engine.frontend import fim
 from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import SamplingParamError, SamplingParams
 from ..errors import APIError
@@ -12,7 +13,8 @@ from ..generation import check_context_floor, check_prompt, check_token_ids
 from ..openai_common import check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
-from .protocol import ApplyTemplateRequest, CompletionRequest, PromptParts, TokenizeRequest, prompt_list
+from .protocol import (ApplyTemplateRequest, CompletionRequest, InfillRequest, PromptParts, TokenizeRequest,
+                       prompt_list)
 
 REPLACEMENT = "\ufffd"
 
@@ -70,6 +72,30 @@ def prepare_completion(req: CompletionRequest, state: ServerState) -> tuple[list
         text = parts[0] if len(parts) == 1 and isinstance(parts[0], str) else None
         out.append(PreparedCompletion(req, state, ids, params, i, text))
     return out, batch
+
+
+def prepare_infill(req: InfillRequest, state: ServerState) -> PreparedCompletion:
+    """The fill-in-the-middle prompt of an ``/infill`` request (``engine/frontend/fim.py``); a
+    400 naming the FIM tokens the model's tokenizer lacks."""
+    check_model(state, req.model)
+    req.reject_unsupported()
+    tok = state.tokenizer
+    try:
+        tokens = fim.FimTokens.of(tok)
+    except fim.MissingFimTokens as exc:
+        raise APIError(400, f"/infill needs a model trained for fill-in-the-middle: {exc} ('{state.model_id}')",
+                       None, "fim_not_supported") from exc
+    params = completion_params(req, state)
+    parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    prompt = prompt_ids(state, parts, "prompt") if any(p != "" for p in parts) else []
+    for name in ("input_prefix", "input_suffix"):
+        check_context_floor(state, tok.min_tokens(getattr(req, name)), name)
+    prefix, suffix = tok.encode(req.input_prefix), tok.encode(req.input_suffix)
+    extra = [fim.ExtraChunk(c.text, c.filename) for c in req.input_extra]
+    reserve = min(params.max_tokens or 0, state.max_context // 2)  # room kept for the answer
+    ids = fim.render(tok, tokens, prefix, suffix, prompt, extra, limit=state.max_context - 1 - reserve)
+    check_prompt(state, ids, "input_prefix")
+    return PreparedCompletion(req, state, ids, params)
 
 
 def stop_type(final: RequestOutput) -> tuple[str, str]:

@@ -17,7 +17,10 @@ CORPUS = [
 ] * 20
 
 
-def train_tokenizer(vocab_size: int = 400):
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def train_tokenizer(vocab_size: int = 400, extra_special: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -25,15 +28,15 @@ def train_tokenizer(vocab_size: int = 400):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def save_tokenizer(path: Path, vocab_size: int = 400) -> int:
-    tok = train_tokenizer(vocab_size)
+def save_tokenizer(path: Path, vocab_size: int = 400, extra_special: list[str] = ()) -> int:
+    tok = train_tokenizer(vocab_size, extra_special)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
@@ -112,12 +115,13 @@ def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def save_tiny_qwen3(path: Path, seed: int = 0) -> Path:
-    """A 3-layer Qwen3 dense (per-head q/k norms, GQA)."""
+def save_tiny_qwen3(path: Path, seed: int = 0, special: list[str] = ()) -> Path:
+    """A 3-layer Qwen3 dense (per-head q/k norms, GQA); ``special``: more special tokens (after
+    the first three), such as ``FIM_TOKENS``."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = save_tokenizer(path)
+    vocab = save_tokenizer(path, extra_special=special)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
