@@ -25,7 +25,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # weight groups that belong to parts we do not run yet (checked on the names as saved)
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
-_RENAMES = (("model.language_model.", "model."),)
+# a base model saved alone (Qwen3-Embedding's ``Qwen3Model``) has its stack's names without
+# ``model.``; tied, its LM head is its embedding
+_RENAMES = (("model.language_model.", "model."), ("embed_tokens.", "model.embed_tokens."),
+            ("layers.", "model.layers."), ("norm.", "model.norm."))
 
 
 def normalise_name(name: str) -> str:

