@@ -31,6 +31,10 @@ class Tokenizer(ABC):
 
     bos_token: str | None = None
     eos_token: str | None = None
+    # whether the model's texts start with the BOS token when special tokens are added (llama.cpp's
+    # /tokenize ``add_special``): a GGUF's tokenizer.ggml.add_bos_token, a tokenizer_config's
+    # add_bos_token; ``encode`` itself never adds it
+    adds_bos: bool = True
 
     @property
     @abstractmethod

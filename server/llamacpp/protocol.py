@@ -114,7 +114,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     content: str
-    add_special: bool = False  # prepend the tokenizer's BOS token, if it has one
+    add_special: bool = False  # prepend the BOS token where the model's texts start with one
     parse_special: bool = True  # special tokens written in the text are recognised
     with_pieces: bool = False
 

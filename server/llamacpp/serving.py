@@ -188,7 +188,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     req.reject_unsupported()
     tok = state.tokenizer
     ids = tok.encode(req.content)
-    if req.add_special and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+    if req.add_special and tok.adds_bos and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
         ids = [tok.bos_token_id, *ids]
     if not req.with_pieces:
         return {"tokens": ids}
