@@ -94,7 +94,7 @@ def prepare_infill(req: InfillRequest, state: ServerState) -> PreparedCompletion
     extra = [fim.ExtraChunk(c.text, c.filename) for c in req.input_extra]
     reserve = min(params.max_tokens or 0, state.max_context // 2)  # room kept for the answer
     ids = fim.render(tok, tokens, prefix, suffix, prompt, extra, limit=state.max_context - 1 - reserve)
-    check_prompt(state, ids, "input_prefix")
+    check_prompt(state, ids, "input_suffix" if len(suffix) > len(prefix) else "input_prefix")  # the longer one
     return PreparedCompletion(req, state, ids, params)
 
 

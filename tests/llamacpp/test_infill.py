@@ -84,6 +84,7 @@ def test_long_extra_context_gives_way_first(served):
     ({"input_extra": [{"text": "x", "name": "a"}]}, "input_extra[0].name"),
     ({"input_prefix": "x", "prompt": [10**7]}, "prompt[0]"),
     ({"input_prefix": "a " * 300}, "input_prefix"),
+    ({"input_prefix": "a " * 60, "input_suffix": "b " * 200}, "input_suffix"),
 ])
 def test_bad_infill_fields_are_named(served, body, param):
     r = served[0].post("/infill", json=body)
