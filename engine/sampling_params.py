@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .pooling import POOLING
+
 
 @dataclass
 class SamplingParams:
@@ -40,8 +42,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise SamplingParamError("stop", "stop strings must not be empty")
         if self.pooling is not None:
-            if self.pooling not in ("none", "mean", "last"):
-                raise SamplingParamError("pooling", f"pooling must be none, mean or last, got {self.pooling!r}")
+            if self.pooling not in POOLING:
+                raise SamplingParamError("pooling", f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")
             if self.max_tokens != 0:
                 raise SamplingParamError("max_tokens", "an embedding request generates nothing: max_tokens must be 0")
 
