@@ -87,8 +87,9 @@ async def _start_all(state: ServerState, jobs: Sequence[Job]) -> list[Outputs]:
 async def answer_batch(request: Request, state: ServerState, jobs: Sequence[Job],
                        stream: bool | None) -> StreamingResponse | JSONResponse:
     """Several prompts of one request run side by side. Aggregate: a JSON list of the jobs' bodies
-    in order. Streamed: every job's frames, interleaved as they come (each frame carries its
-    job's ``index``). The client going away cancels them all."""
+    in order (``run_batch``). Streamed: every job admitted first (a batch the queue cannot hold is
+    refused whole), then their frames interleaved as they come (each frame carries its job's
+    ``index``). The client going away cancels them all."""
     if not stream:
         return JSONResponse(await run_batch(request, state, jobs))
     started = await cancel_on_disconnect(request, _start_all(state, jobs))
@@ -96,20 +97,23 @@ async def answer_batch(request: Request, state: ServerState, jobs: Sequence[Job]
 
 
 async def run_batch(request: Request, state: ServerState, jobs: Sequence[Job]) -> list[Any]:
-    """Every job's ``whole`` result, in order, the jobs running side by side; the first failure
-    (or the client going away) cancels the others."""
-    started = await cancel_on_disconnect(request, _start_all(state, jobs))
+    """Every job's ``whole`` result, in order. At most ``--max-concurrency`` of them are in the
+    engine at once, the next submitted as one ends, so a batch larger than the queue (a RAG
+    client's thousand chunks) is answered, not refused; the first failure (or the client going
+    away) cancels the others."""
+    lanes = asyncio.Semaphore(state.engine.config.max_concurrency)
 
-    async def whole() -> list[Any]:
-        tasks = [asyncio.ensure_future(job.whole(outputs)) for job, outputs in zip(jobs, started)]
-        try:
-            await _first_failure(tasks)
-        finally:
-            for outputs in started:
+    async def one(job: Job) -> Any:
+        async with lanes:
+            outputs = (await start(state, job.prompt_ids, job.params, job.request_id))[1]
+            try:
+                return await job.whole(outputs)
+            finally:
                 await outputs.aclose()
-        return [task.result() for task in tasks]
 
-    return await cancel_on_disconnect(request, whole())
+    tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+    await cancel_on_disconnect(request, _first_failure(tasks))
+    return [task.result() for task in tasks]
 
 
 async def _merged(jobs: Sequence[Job], started: list[Outputs]) -> AsyncIterator[str]:

@@ -102,10 +102,21 @@ def test_bad_prompts_in_a_batch_name_their_place(client, prompt, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_a_batch_beyond_the_servers_capacity_is_refused_whole(served):
+def test_a_batch_beyond_the_servers_capacity_is_answered(served):
+    """More prompts than the queue holds run a lane's worth at a time, never refused."""
+    client, state, _ = served
+    many = ["the capital", "a story"] * (state.engine.capacity // 2 + 3)
+    r = client.post("/completion", json={"prompt": many, "n_predict": 8})
+    assert r.status_code == 200, r.text
+    assert [b["content"] for b in r.json()] == ["Paris.", "Once upon a time."] * (len(many) // 2)
+    assert [b["index"] for b in r.json()] == list(range(len(many)))
+    assert state.engine.outstanding == 0
+
+
+def test_a_streamed_batch_beyond_the_servers_capacity_is_refused_whole(served):
     client, state, _ = served
     many = ["the capital"] * (state.engine.capacity + 1)
-    r = client.post("/completion", json={"prompt": many})
+    r = client.post("/completion", json={"prompt": many, "stream": True})
     assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
     assert state.engine.outstanding == 0  # those admitted before the refusal were cancelled
     assert client.post("/completion", json={"prompt": "the capital"}).json()["content"] == "Paris."

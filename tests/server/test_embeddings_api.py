@@ -190,3 +190,16 @@ def test_the_engine_in_a_process_of_its_own(tmp_path):
                 close(d["embedding"], served.expected(served.ids(text))[0])
     finally:
         loop.stop()
+
+
+def test_more_inputs_than_the_queue_holds(served):
+    """A RAG client sends its chunks in one request (LangChain: up to 1000): a lane's worth run at
+    a time, none refused."""
+    texts = [f"chunk {i}: " + TEXTS[i % 3] for i in range(served.state.engine.capacity + 12)]
+    r = served.http.post("/v1/embeddings", json={"input": texts})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(texts)))
+    for i in (0, len(texts) - 1):
+        close(data[i]["embedding"], served.expected(served.ids(texts[i]))[0])
+    assert served.state.engine.outstanding == 0
