@@ -21,7 +21,7 @@ class EmbeddingRequest(BaseModel):
 
     input: Input
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    encoding_format: Literal["float", "base64"] | None = "float"  # base64: little-endian float32 bytes; null: float
     dimensions: int | None = Field(default=None, ge=1)  # the first N dimensions, normalized again
     user: str | None = None  # accepted for OpenAI clients; identifies nobody here
 

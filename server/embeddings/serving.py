@@ -71,7 +71,7 @@ def openai_body(req: EmbeddingRequest, state: ServerState, prep: PreparedEmbeddi
     data = []
     for i, out in enumerate(finals):
         vec = vectors(out, True, req.dimensions)[0]
-        encoded: Any = vec.tolist() if req.encoding_format == "float" else \
+        encoded: Any = vec.tolist() if req.encoding_format != "base64" else \
             base64.b64encode(vec.numpy().astype("<f4").tobytes()).decode("ascii")
         data.append({"object": "embedding", "index": i, "embedding": encoded})
     tokens = prep.prompt_tokens

@@ -98,6 +98,8 @@ def test_base64_and_dimensions(served):
     decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
     assert decoded.shape == (64,)
     np.testing.assert_allclose(decoded, plain, atol=1e-6)
+    unset = served.http.post("/v1/embeddings", json={"input": TEXTS[1], "encoding_format": None}).json()
+    assert unset["data"][0]["embedding"] == plain
     cut = served.http.post("/v1/embeddings", json={"input": TEXTS[1], "dimensions": 16}).json()["data"][0]
     want = torch.nn.functional.normalize(served.expected(served.ids(TEXTS[1]), normalize=False)[0, :16], dim=-1)
     close(cut["embedding"], want)
