@@ -93,8 +93,7 @@ class PreparedMessages:
         self.stop_sequences = set(req.stop_sequences or [])
         self.max_context = state.max_context
         self.id = new_id("msg_")
-        self.model = req.model  # echoed: the label does not select the model (Anthropic clients
-        # check that the answer names the model they asked for)
+        self.model = req.model  # echoed: the label does not select the model
 
     def parser(self) -> AssistantOutputParser:
         return AssistantOutputParser(self.starts_in_reasoning, self.tools)

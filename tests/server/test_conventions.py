@@ -125,7 +125,7 @@ def test_any_model_name_on_the_other_routes(http):
     r = http.post("/apply-template", json={"model": "gpt-4o", "messages": MESSAGES})
     assert r.status_code == 200 and "2+2?" in r.json()["prompt"]
     r = http.post("/v1/messages", json={"model": "claude-x", "max_tokens": 8, "messages": MESSAGES})
-    assert r.status_code == 200 and r.json()["model"] == "claude-x"  # Anthropic clients check the echo
+    assert r.status_code == 200 and r.json()["model"] == "claude-x"  # Messages echo the label, as before
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == NAMES  # the listing is unchanged
 
 
