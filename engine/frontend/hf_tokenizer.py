@@ -45,6 +45,10 @@ class HFTokenizer(Tokenizer):
         # loop and the engine thread run beside a long prompt's tokenization
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def encode_alone(self, text: str) -> list[int]:
+        # the tokenizer.json's post-processor adds them (a GGUF-built backend has none)
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 

@@ -57,6 +57,12 @@ class Tokenizer(ABC):
         ``<think>``, ...), so that text from users can be kept from forming them."""
         return []
 
+    def encode_alone(self, text: str) -> list[int]:
+        """Token ids for ``text`` as a whole input of its own, with the special tokens the model's
+        tokenizer puts around one (Qwen3-Embedding's closing ``<|endoftext|>``): what an embedding
+        model was trained on. The same as ``encode`` where the tokenizer adds none."""
+        return self.encode(text)
+
     def encode_literal(self, text: str) -> list[int]:
         """``text`` as plain text even when it spells a control token: encoded in two pieces,
         neither of which can match the token's whole surface form."""

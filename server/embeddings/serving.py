@@ -29,7 +29,8 @@ class PreparedEmbeddings:
             raise invalid(param, str(exc).replace("prompt", param)) from exc
         if not prompts:
             raise invalid(param, f"'{param}' must not be empty")
-        self.ids = [prompt_ids(state, parts, f"{param}[{i}]" if batch else param) for i, parts in enumerate(prompts)]
+        self.ids = [prompt_ids(state, parts, f"{param}[{i}]" if batch else param, framed=True)
+                    for i, parts in enumerate(prompts)]
         self.params = SamplingParams(temperature=0.0, max_tokens=0, pooling=pooling)
         self.id = "embd-" + uuid.uuid4().hex
 

@@ -19,13 +19,15 @@ from .protocol import (ApplyTemplateRequest, CompletionRequest, InfillRequest, P
 REPLACEMENT = "\ufffd"
 
 
-def prompt_ids(state: ServerState, parts: PromptParts, param: str) -> list[int]:
-    """The ids of one prompt given as texts and token ids in order (each text tokenized alone)."""
+def prompt_ids(state: ServerState, parts: PromptParts, param: str, framed: bool = False) -> list[int]:
+    """The ids of one prompt given as texts and token ids in order (each text tokenized apart).
+    ``framed``: a prompt that is one text gets the special tokens the tokenizer puts around an
+    input of its own (``Tokenizer.encode_alone``: embeddings)."""
     check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts), param)
     ids: list[int] = []
     for i, part in enumerate(parts):
         if isinstance(part, str):
-            ids += state.tokenizer.encode(part)
+            ids += state.tokenizer.encode_alone(part) if framed and len(parts) == 1 else state.tokenizer.encode(part)
         else:
             check_token_ids(state, [part], param, offset=i)
             ids.append(part)

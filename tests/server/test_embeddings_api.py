@@ -34,7 +34,8 @@ class Served:
         self.http = httpx.Client(base_url=live.base_url, timeout=120)
 
     def ids(self, text: str) -> list[int]:
-        return self.state.tokenizer.encode(text)
+        """The ids of ``text`` as an input of its own (Qwen3-Embedding's closing token included)."""
+        return self.state.tokenizer.encode_alone(text)
 
     def hidden(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -66,6 +67,24 @@ def close(got, want: torch.Tensor) -> None:
 
 def test_the_checkpoint_declares_its_pooling(served):
     assert served.state.pooling == served.pooling
+
+
+def test_each_text_input_ends_as_the_tokenizer_closes_one(served):
+    """The Qwen3-Embedding layout's tokenizer appends ``<|endoftext|>`` to an input (what its
+    last-token pooling reads); the Qwen3.5 one appends nothing."""
+    tok = served.state.tokenizer
+    plain, alone = tok.encode(TEXTS[1]), tok.encode_alone(TEXTS[1])
+    assert alone == (plain + [tok.token_to_id("<|endoftext|>")] if served.pooling == "last" else plain)
+    body = served.http.post("/v1/embeddings", json={"input": TEXTS[1]}).json()
+    assert body["usage"]["prompt_tokens"] == len(alone)
+    close(body["data"][0]["embedding"], served.expected(alone)[0])
+    given = served.http.post("/v1/embeddings", json={"input": plain}).json()  # token ids: as given
+    assert given["usage"]["prompt_tokens"] == len(plain)
+    empty = served.http.post("/v1/embeddings", json={"input": ""})  # only what the tokenizer adds
+    if served.pooling == "last":
+        close(empty.json()["data"][0]["embedding"], served.expected(tok.encode_alone(""))[0])
+    else:
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
 
 
 def test_openai_route_pools_normalizes_and_counts(served):
@@ -148,9 +167,8 @@ def test_llamacpp_routes_pool_as_asked(served, path):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/embeddings", {"input": ""}, "input"),
     ("/v1/embeddings", {"input": []}, "input"),
-    ("/v1/embeddings", {"input": ["a", ""]}, "input[1]"),
+    ("/v1/embeddings", {"input": ["a", []]}, "input[1]"),
     ("/v1/embeddings", {"input": [[1, 2], [3, 10**7]]}, "input[1][1]"),
     ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),

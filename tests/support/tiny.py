@@ -134,12 +134,18 @@ def save_tiny_qwen3(path: Path, seed: int = 0, special: list[str] = ()) -> Path:
 
 def save_tiny_qwen3_embedding(path: Path, seed: int = 0) -> Path:
     """A 3-layer Qwen3 saved as Qwen3-Embedding checkpoints are: the base ``Qwen3Model`` alone (no
-    ``model.`` prefix, no LM head: tied), with sentence-transformers files declaring last-token
-    pooling and normalization."""
+    ``model.`` prefix, no LM head: tied), a tokenizer that closes each input with
+    ``<|endoftext|>``, and sentence-transformers files declaring last-token pooling and
+    normalization."""
     import transformers
+    from tokenizers import Tokenizer, processors
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    tok.save(str(path / "tokenizer.json"))
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
