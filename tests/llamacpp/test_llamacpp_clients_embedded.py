@@ -40,16 +40,16 @@ def oai(server):
 
 
 def test_openai_clients_model_names_are_answered(oai):
-    res = oai.completions.create(model="davinci-002", prompt=PROMPT, max_tokens=8)
+    res = oai.completions.create(model="davinci-002", prompt=PROMPT, max_tokens=8, temperature=0)
     assert res.model == MODEL and res.choices[0].finish_reason == "length" and res.choices[0].text
-    chat = oai.chat.completions.create(model="gpt-3.5-turbo", max_tokens=8,
+    chat = oai.chat.completions.create(model="gpt-3.5-turbo", max_tokens=8, temperature=0,
                                        messages=[{"role": "user", "content": "Hi"}])
     assert chat.model == MODEL and chat.choices[0].message.content
     assert [m.id for m in oai.models.list().data] == [MODEL]
 
 
 def test_completions_without_v1_is_the_native_completion(http):
-    body = http.post("/completions", json={"prompt": PROMPT, "n_predict": 8}).json()
+    body = http.post("/completions", json={"prompt": PROMPT, "n_predict": 8, "ignore_eos": True}).json()
     assert body["content"] and body["timings"]["predicted_n"] == 8 and len(body["tokens"]) == 8
     assert body["stop_type"] == "limit" and body["truncated"] is False and "choices" not in body
 
