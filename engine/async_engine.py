@@ -39,7 +39,7 @@ def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     if first.logprobs is not None or later.logprobs is not None:
         first.logprobs = (first.logprobs or []) + (later.logprobs or [])
     for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time"):
+                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time", "embedding"):
         setattr(first, name, getattr(later, name))
     return first
 

@@ -23,6 +23,7 @@ from .grammar import GrammarError, Grammars
 from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
+from .pooling import Pooled
 from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner
 from .sampler import make_generator, uses_history
@@ -120,7 +121,9 @@ class LLMEngine:
         if marks is not None and any(not 0 < m <= len(ids) for m in marks):
             bad = next(m for m in marks if not 0 < m <= len(ids))
             raise ValueError(f"checkpoint position {bad} is outside the prompt's {len(ids)} tokens")
-        if self.caches.prefix is None:
+        if request.params.pooling is not None:  # embeddings: pooled from every prompt token
+            request.pooled = Pooled(request.params.pooling)
+        if self.caches.prefix is None or request.pooled is not None:
             request.checkpoints, request.checkpoint_answer = [], False  # no chunk is cut for one
         else:  # a prompt resent longer goes on from its end
             request.checkpoints = sorted(set(marks)) if marks is not None else [len(ids)]
@@ -347,6 +350,7 @@ class LLMEngine:
         self.counters.finished(req)
         prefill_end = req.prefill_done_time
         token_ids = [req.output_ids[-1]] if req.output_ids and reason is not FinishReason.ABORT else []
+        done = req.pooled is not None and reason is FinishReason.LENGTH and req.num_computed >= len(req.prompt_ids)
         return RequestOutput(
             req.request_id,
             text=text,
@@ -359,6 +363,7 @@ class LLMEngine:
             reuse=req.reuse,
             completion_tokens=len(req.output_ids),
             reasoning_tokens=thinking.reasoning_tokens(req),
+            embedding=req.pooled.result() if done else None,
             error=error,
             error_code=req.error_code,
             prefill_time=None if prefill_end is None else prefill_end - (req.admitted_time or req.arrival),

@@ -73,6 +73,7 @@ class Request:
     fork_of: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
     reuse: dict[str, str] | None = None  # that checkpoint's tier ("gpu" | "host") and kind ("turn" | "anchor")
+    pooled: Any = None  # Pooled (pooling.py): the hidden states an embedding request has gathered
 
     @property
     def all_ids(self) -> list[int]:

@@ -165,10 +165,15 @@ class ModelRunner:
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
         """Any step, eager: one forward over every row, the logits of the rows that reach their
-        next token only."""
+        next token only; embedding requests' hidden rows to their ``Pooled`` (an embedding
+        request never decodes, so it is never in a decode step)."""
         step = build_step(plan, self.caches, self.device)
         hidden = self.model(step.input_ids, step.batch)
+        at = 0
         for req, n in step.plan:
+            if req.pooled is not None:  # an embedding request keeps its rows' final hidden states
+                req.pooled.add(hidden[at : at + n], req.num_computed)
+            at += n
             req.num_computed += n
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
         return self._launched(plan, step.sampled, logits, decode=False)

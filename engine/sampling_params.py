@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from .grammar import GrammarSpec
+from .pooling import POOLING
 
 MAX_LOGPROBS = 100  # the most alternatives a request may ask for at each token
 MAX_LOGIT_BIAS = 100.0  # a bias's magnitude (-inf aside: that id is never chosen)
@@ -32,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_after_sampling: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits; -inf: never
+    # an embedding request (engine/pooling.py): none | mean | last; its output is the prompt's
+    # final hidden states pooled so, and it samples nothing (max_tokens must be 0)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -58,6 +62,11 @@ class SamplingParams:
             if not (bias == -math.inf or -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise SamplingParamError("logit_bias", f"logit_bias of token {token} must be between "
                                          f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias!r}")
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise SamplingParamError("pooling", f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")
+            if self.max_tokens != 0:
+                raise SamplingParamError("max_tokens", "an embedding request generates nothing: max_tokens must be 0")
 
     @property
     def greedy(self) -> bool:

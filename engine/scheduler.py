@@ -116,7 +116,8 @@ class Scheduler:
                 req.snapshot = None
                 self.stats.restored += 1
             else:
-                start = self.caches.continuation(req.all_ids)  # a prefix checkpoint to go on from
+                # a prefix checkpoint to go on from (not for embeddings: they pool every prompt token)
+                start = None if req.pooled is not None else self.caches.continuation(req.all_ids)
                 done = 0 if start is None else start.length
                 first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
@@ -159,7 +160,7 @@ class Scheduler:
                 n = len(req.prompt_ids) - 1
                 if first is not None and n > 0 and first.prompt_ids == req.prompt_ids and n in first.checkpoints:
                     req.shares = (first, n)
-            elif self.caches.prefix is not None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
+            elif self.caches.prefix is not None and req.pooled is None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
                 best = 0
                 for other in self.running:
                     if other.status is Status.PREFILL:

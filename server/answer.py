@@ -1,7 +1,9 @@
 """The generation routes' common ending: admit the request, then answer it as an SSE stream or
-as one JSON body. The client going away cancels the request in both cases."""
+as one JSON body. The client going away cancels the request in both cases. A request carrying
+several prompts (llama.cpp's batch) runs them side by side (``answer_batch``)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
@@ -11,7 +13,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .cancellation import cancel_on_disconnect
 from .choices import start_choices
-from .generation import Keep
+from .generation import Keep, start
 from .state import ServerState
 from .streaming import sse_response
 
@@ -57,3 +59,101 @@ async def answer_choices(request: Request, state: ServerState, prompt_ids: list[
         return name_omitted_tools(sse_response(frames(admitted, outputs), state.keepalive_s, keepalive),
                                   omitted_tools)
     return name_omitted_tools(JSONResponse(await cancel_on_disconnect(request, whole(outputs))), omitted_tools)
+
+
+class Job:
+    """One prompt of a request that carries several (a batch): its engine request and how its
+    outputs become its SSE frames or its part of the JSON answer."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 frames: Callable[[Outputs], AsyncIterator[str]] | None,
+                 whole: Callable[[Outputs], Awaitable[Any]]) -> None:
+        self.prompt_ids, self.params, self.request_id = prompt_ids, params, request_id
+        self.frames, self.whole = frames, whole
+
+
+async def _first_failure(tasks: list[asyncio.Task]) -> None:
+    """Wait for every task; on the first failure cancel the rest and raise it."""
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _start_all(state: ServerState, jobs: Sequence[Job]) -> list[Outputs]:
+    """Submit every job and wait for each one's admission; if one is refused (the server at
+    capacity, a queue timeout), those already in are cancelled and the refusal raised."""
+    started: list[Outputs] = []
+    try:
+        for job in jobs:
+            started.append((await start(state, job.prompt_ids, job.params, job.request_id))[1])
+    except BaseException:
+        for outputs in started:
+            await outputs.aclose()
+        raise
+    return started
+
+
+async def answer_batch(request: Request, state: ServerState, jobs: Sequence[Job],
+                       stream: bool | None) -> StreamingResponse | JSONResponse:
+    """Several prompts of one request run side by side. Aggregate: a JSON list of the jobs' bodies
+    in order (``run_batch``). Streamed: every job admitted first (a batch the queue cannot hold is
+    refused whole), then their frames interleaved as they come (each frame carries its job's
+    ``index``). The client going away cancels them all."""
+    if not stream:
+        return JSONResponse(await run_batch(request, state, jobs))
+    started = await cancel_on_disconnect(request, _start_all(state, jobs))
+    return sse_response(_merged(jobs, started), state.keepalive_s)
+
+
+async def run_batch(request: Request, state: ServerState, jobs: Sequence[Job]) -> list[Any]:
+    """Every job's ``whole`` result, in order. At most ``--max-concurrency`` of them are in the
+    engine at once, the next submitted as one ends, so a batch larger than the queue (a RAG
+    client's thousand chunks) is answered, not refused; the first failure (or the client going
+    away) cancels the others."""
+    lanes = asyncio.Semaphore(state.engine.config.max_concurrency)
+
+    async def one(job: Job) -> Any:
+        async with lanes:
+            outputs = (await start(state, job.prompt_ids, job.params, job.request_id))[1]
+            try:
+                return await job.whole(outputs)
+            finally:
+                await outputs.aclose()
+
+    tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+    await cancel_on_disconnect(request, _first_failure(tasks))
+    return [task.result() for task in tasks]
+
+
+async def _merged(jobs: Sequence[Job], started: list[Outputs]) -> AsyncIterator[str]:
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(job: Job, outputs: Outputs) -> None:
+        try:
+            async for frame in job.frames(outputs):
+                await queue.put(frame)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(job, outputs)) for job, outputs in zip(jobs, started)]
+    try:
+        left = len(tasks)
+        while left:
+            frame = await queue.get()
+            if frame is None:
+                left -= 1
+            else:
+                yield frame
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for outputs in started:
+            await outputs.aclose()

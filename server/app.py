@@ -1,7 +1,7 @@
 """The FastAPI application: one route table, one error wrapper, and the middleware around it.
 
 Middleware, outermost first: llama.cpp's path spellings without ``/v1`` rewritten to their routes
-(``routing.py``), then (``middleware.py``) request id, CORS (``--cors``), bearer-key auth
+(``routing.py``), then (``middleware.py``) request id, CORS (``--cors``, default ``localhost``), bearer-key auth
 (``--api-key``; not on ``/health``, the public web pages, or CORS preflights), the raw body
 limit (``--max-request-mib``, 413 before JSON parsing). Every route with a JSON body parses and
 checks it in ``json_body.JSONBodyRoute``. ``/openapi.json`` describes the routes.
@@ -17,12 +17,13 @@ from . import observability, openapi, web
 from .anthropic import routes as anthropic
 from .errors import install_handlers
 from .json_body import JSONBodyRoute
+from .embeddings.routes import router as embeddings_router
 from .llamacpp.routes import router as llamacpp_router
-from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from .middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware, cors_settings
 from .openai_chat.routes import router as chat_router
 from .openai_completions.routes import router as completions_router
 from .openai_responses.routes import router as responses_router
-from .openai_common import check_model
+from .openai_common import known_model
 from .routing import PathAliasMiddleware
 from .state import ServerState
 
@@ -58,23 +59,23 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        return _model(state, check_model(state, model_id, status=404))
+        return _model(state, known_model(state, model_id))
 
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(responses_router)
+    app.include_router(embeddings_router)
     web.install(app)
     app.include_router(llamacpp_router)
     # added innermost first
     app.add_middleware(BodyLimitMiddleware, limit=state.max_request_bytes)
     app.add_middleware(AuthMiddleware, key=state.api_key, is_open=_open)
-    if state.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id"],
-                           allow_credentials="*" not in state.cors_origins)
+    cors = cors_settings(state.cors_origins)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestIdMiddleware)
     anthropic.install(app)  # after auth: its envelope reshapes every /v1/messages* error
     observability.install(app, state)  # sees what the client sees
     app.add_middleware(PathAliasMiddleware)  # outermost: every layer sees the /v1 path
-    openapi.install(app, _open, bool(state.api_key), state.public_names)
+    openapi.install(app, _open, bool(state.api_key), state.public_names, state.strict_model_names)
     return app

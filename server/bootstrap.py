@@ -18,6 +18,7 @@ from ..engine.loader import Checkpoint, load_checkpoint, load_model
 from ..engine.loop import EngineLoop
 from ..engine.process import EngineProcess
 from . import observability
+from .middleware import cors_settings
 from .state import SamplingDefaults, ServerState, ThinkingDefaults
 from .workers import PrepareWorkers
 
@@ -101,7 +102,9 @@ def gateway_settings(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} must be > 0, got {value}")
     if args.default_max_tokens is not None and args.default_max_tokens < 0:
         raise ValueError(f"--default-max-tokens must be >= 0, got {args.default_max_tokens}")
-    origins = tuple(o.strip() for o in (args.cors or "").split(",") if o.strip())
+    # without --cors, pages served from this machine may call the API, as llama-server allows
+    origins = ("localhost",) if args.cors is None else tuple(o.strip() for o in args.cors.split(",") if o.strip())
+    cors_settings(origins)  # refuses what is not an origin at start
     return dict(
         thinking=ThinkingDefaults(enable_thinking=False if args.no_thinking else None,
                                   preserve_thinking=True if args.preserve_thinking else None,
@@ -112,6 +115,7 @@ def gateway_settings(args: argparse.Namespace) -> dict:
         responses=ResponseStore(int(args.response_store_mib * (1 << 20))),
         reasoning_seal=ReasoningSeal.from_file(Path(args.reasoning_key_file) if args.reasoning_key_file else None),
         strict_tools=args.strict_tools,
+        strict_model_names=args.strict_model_names,
         workers=PrepareWorkers(args.prepare_threads),
     )
 
@@ -229,6 +233,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop 
         sampling=sampling_defaults(args, ckpt),
         generation=ckpt.generation,
         api_key=args.api_key,
+        pooling=ckpt.pooling,
         **gateway_settings(args),
     )
     state.observability = observability.setup(args, state)

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may use for the model, listed by /v1/models; the first is the public "
                         "id unless --model-id is given, which then comes first")
+    p.add_argument("--strict-model-names", action="store_true",
+                   help="refuse requests naming a model that is not one of the public names (model_not_found) "
+                        "instead of answering any name with the loaded model, for servers behind one router")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's, at most 32768)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -85,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-thinking-budget", type=int, default=None, metavar="N",
                    help="close the reasoning of thinking requests after N tokens and let the answer continue")
     p.add_argument("--cors", default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed to call the API ('*' for any)")
+                   help="comma-separated browser origins allowed to call the API: 'localhost' for pages served "
+                        "from this machine (localhost, 127.0.0.1, [::1], any port), '*' for any, '' for none "
+                        "(default: localhost)")
     p.add_argument("--max-request-mib", type=float, default=32,
                    help="refuse request bodies larger than this with HTTP 413 (default 32)")
     p.add_argument("--prepare-threads", type=int, default=DEFAULT_THREADS, metavar="N",

@@ -1,14 +1,16 @@
 """Pure ASGI middleware that every HTTP request crosses before a route sees it.
 
 Outermost first: ``RequestIdMiddleware`` (an ``x-request-id`` on every response), CORS
-(starlette's, answering preflights), ``AuthMiddleware`` (bearer key), ``BodyLimitMiddleware``
-(413 before the body is parsed). Errors use the OpenAI envelope of ``errors.py``.
+(starlette's, answering preflights; ``cors_settings``), ``AuthMiddleware`` (bearer key),
+``BodyLimitMiddleware`` (413 before the body is parsed). Errors use the OpenAI envelope of
+``errors.py``.
 """
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import re
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -28,6 +30,24 @@ async def send_error(send: Send, err: APIError, headers: list[tuple[bytes, bytes
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+# the ``localhost`` keyword of --cors: a page served from this machine, any scheme's port
+LOCALHOST_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
+
+
+def cors_settings(origins: tuple[str, ...]) -> dict[str, Any] | None:
+    """starlette ``CORSMiddleware`` options for ``--cors`` origins (None: no browser origin may
+    call): allowed origins are reflected, preflights answered for any method and header."""
+    if not origins:
+        return None
+    for origin in origins:
+        if origin not in ("*", "localhost") and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise ValueError(f"--cors: {origin!r} is not an origin (scheme://host[:port]), 'localhost' or '*'")
+    listed = [o for o in origins if o != "localhost"]
+    return dict(allow_origins=listed, allow_origin_regex=LOCALHOST_ORIGIN if "localhost" in origins else None,
+                allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"],
+                allow_credentials="*" not in origins)
 
 
 class RequestIdMiddleware:

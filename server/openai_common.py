@@ -64,13 +64,25 @@ def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool 
 
 
 def check_model(state: ServerState, model: str | None, status: int = 400) -> str:
-    """The name to echo for a request's ``model``: the served model when it is absent (as local
-    servers do), the name itself when it is one of the public names, else ``model_not_found``."""
-    if model is None:
-        return state.model_id
-    if model not in state.public_names:
+    """The name to echo for a request's ``model``: the name itself when it is one of the public
+    names, else the served model's id, as llama-server answers whatever name a client sends
+    (``gpt-3.5-turbo`` from an OpenAI client). With ``--strict-model-names`` (servers behind one
+    router) a name that is not public is refused, ``model_not_found``."""
+    if model is not None and model in state.public_names:
+        return model
+    if model is not None and state.strict_model_names:
         served = ", ".join(repr(n) for n in state.public_names)
         raise APIError(status, f"model {model!r} does not exist; this server serves {served}", "model",
+                       "model_not_found")
+    return state.model_id
+
+
+def known_model(state: ServerState, model: str) -> str:
+    """A public name, else ``model_not_found`` (404): retrieving a model by name lists only what
+    ``/v1/models`` lists, whatever ``--strict-model-names`` says."""
+    if model not in state.public_names:
+        served = ", ".join(repr(n) for n in state.public_names)
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", "model",
                        "model_not_found")
     return model
 

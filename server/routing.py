@@ -6,9 +6,9 @@ from typing import Any, Awaitable, Callable
 
 from starlette.routing import Mount
 
-# llama.cpp's server answers the OpenAI routes without the /v1 prefix too
-PATH_ALIASES = {"/chat/completions": "/v1/chat/completions", "/completions": "/v1/completions",
-                "/models": "/v1/models"}
+# llama.cpp's server answers the OpenAI routes without the /v1 prefix too; not ``/completions``,
+# which is its native completion there (the ``/completion`` route), as here
+PATH_ALIASES = {"/chat/completions": "/v1/chat/completions", "/models": "/v1/models"}
 PREFIX_ALIASES = {"/models/": "/v1/models/"}
 NO_ROUTE = "(no route)"
 

@@ -47,14 +47,20 @@ class ServerState:
     generation: GenerationDefaults
     api_key: str | None = None
     aliases: tuple[str, ...] = ()  # names accepted besides model_id (--served-model-name)
+    # --strict-model-names: a request naming a model outside public_names is refused (a router in
+    # front of several servers); by default any name is served by the one model
+    strict_model_names: bool = False
     thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)
     default_max_tokens: int | None = None  # output tokens when a request names none (None: to the context)
     max_request_bytes: int = 32 << 20  # raw request bodies beyond this get 413 before parsing
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
+    # browser origins allowed to call the API (--cors): "*" any, "localhost" any page served from
+    # this machine (http or https, localhost, 127.0.0.1 or [::1], any port), the default
+    cors_origins: tuple[str, ...] = ("localhost",)
     keepalive_s: float = 5.0  # an SSE comment after this long without an event
     responses: Any = None  # ResponseStore (server/openai_responses/store.py)
     reasoning_seal: Any = None  # ReasoningSeal (server/openai_responses/sealing.py): encrypted_content
     strict_tools: bool = False  # --strict-tools: refuse hosted Responses tools instead of leaving them out
+    pooling: str = "mean"  # embeddings' pooling when a request names none (the checkpoint's, Checkpoint.pooling)
     observability: Any = None  # Observability hub (server/observability), set by bootstrap
     workers: PrepareWorkers = field(default_factory=PrepareWorkers)  # body parsing, templates, tokenizing
     created: int = field(default_factory=lambda: int(time.time()))

@@ -15,11 +15,13 @@ class HFTokenizer(Tokenizer):
     """Wraps a ``tokenizers.Tokenizer``; never adds BOS/EOS, keeps special tokens on decode."""
 
     def __init__(
-        self, backend: tokenizers.Tokenizer, bos_token: str | None = None, eos_token: str | None = None
+        self, backend: tokenizers.Tokenizer, bos_token: str | None = None, eos_token: str | None = None,
+        adds_bos: bool = True,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.adds_bos = adds_bos
         self._max_token_bytes = max_token_bytes(json.loads(backend.to_str()))  # once, not on a request
 
     @classmethod
@@ -31,7 +33,8 @@ class HFTokenizer(Tokenizer):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = tokenizers.Tokenizer.from_file(str(file))
         config = _read_json(path / "tokenizer_config.json")
-        return cls(backend, _token_content(config.get("bos_token")), _token_content(config.get("eos_token")))
+        return cls(backend, _token_content(config.get("bos_token")), _token_content(config.get("eos_token")),
+                   adds_bos=config.get("add_bos_token") is not False)
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +44,10 @@ class HFTokenizer(Tokenizer):
         # encode_batch lets go of the GIL while it works (encode holds it throughout), so the event
         # loop and the engine thread run beside a long prompt's tokenization
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_alone(self, text: str) -> list[int]:
+        # the tokenizer.json's post-processor adds them (a GGUF-built backend has none)
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)

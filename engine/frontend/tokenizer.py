@@ -31,6 +31,10 @@ class Tokenizer(ABC):
 
     bos_token: str | None = None
     eos_token: str | None = None
+    # whether the model's texts start with the BOS token when special tokens are added (llama.cpp's
+    # /tokenize ``add_special``): a GGUF's tokenizer.ggml.add_bos_token, a tokenizer_config's
+    # add_bos_token; ``encode`` itself never adds it
+    adds_bos: bool = True
 
     @property
     @abstractmethod
@@ -52,6 +56,12 @@ class Tokenizer(ABC):
         """Surface forms that ``encode`` turns into single added / special tokens (``<|im_end|>``,
         ``<think>``, ...), so that text from users can be kept from forming them."""
         return []
+
+    def encode_alone(self, text: str) -> list[int]:
+        """Token ids for ``text`` as a whole input of its own, with the special tokens the model's
+        tokenizer puts around one (Qwen3-Embedding's closing ``<|endoftext|>``): what an embedding
+        model was trained on. The same as ``encode`` where the tokenizer adds none."""
+        return self.encode(text)
 
     def encode_literal(self, text: str) -> list[int]:
         """``text`` as plain text even when it spells a control token: encoded in two pieces,

@@ -48,3 +48,7 @@ class Checkpoint:
     generation: GenerationDefaults
     source: str  # path it was read from
     skipped_prefixes: tuple[str, ...] = ()  # weight groups recognised and not loaded (mtp., visual.)
+    # how embeddings pool the final hidden states when a request names no pooling: "last" where
+    # the checkpoint declares last-token pooling (Qwen3-Embedding's sentence-transformers files,
+    # a GGUF's pooling_type), else "mean"
+    pooling: str = "mean"

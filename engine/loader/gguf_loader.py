@@ -286,6 +286,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
 
         tokenizer = build_tokenizer(meta)
     template = meta.get("tokenizer.chat_template")
+    # llama.cpp's pooling_type: 1 mean, 3 last (0 none and 2 cls pool nothing a decoder keeps: mean)
+    pooling = "last" if meta.get(f"{meta.get('general.architecture')}.pooling_type") == 3 else "mean"
     return Checkpoint(
         config=config,
         weights=lambda: iter_weights(reader, config),
@@ -293,4 +295,5 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         chat_template=template if isinstance(template, str) else None,
         generation=generation_defaults(meta),
         source=path,
+        pooling=pooling,
     )

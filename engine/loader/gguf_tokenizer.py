@@ -66,7 +66,8 @@ def build_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    return HFTokenizer(backend, bos_token=token("bos"), eos_token=token("eos"))
+    return HFTokenizer(backend, bos_token=token("bos"), eos_token=token("eos"),
+                       adds_bos=meta.get("tokenizer.ggml.add_bos_token") is not False)
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:

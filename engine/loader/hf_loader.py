@@ -25,7 +25,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # weight groups that belong to parts we do not run yet (checked on the names as saved)
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
-_RENAMES = (("model.language_model.", "model."),)
+# a base model saved alone (Qwen3-Embedding's ``Qwen3Model``) has its stack's names without
+# ``model.``; tied, its LM head is its embedding
+_RENAMES = (("model.language_model.", "model."), ("embed_tokens.", "model.embed_tokens."),
+            ("layers.", "model.layers."), ("norm.", "model.norm."))
 
 
 def normalise_name(name: str) -> str:
@@ -97,6 +100,18 @@ def generation_defaults(path: str, config: ModelConfig) -> GenerationDefaults:
     return GenerationDefaults.read(eos_ids, gen.get)
 
 
+def declared_pooling(path: str) -> str:
+    """The pooling a sentence-transformers checkpoint declares: its ``modules.json`` names a
+    Pooling module whose ``config.json`` sets ``pooling_mode_lasttoken`` (Qwen3-Embedding) ->
+    "last"; anything else -> "mean"."""
+    for module in _read_json(os.path.join(path, "modules.json")) or []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            cfg = _read_json(os.path.join(path, str(module.get("path", "")), "config.json")) or {}
+            if cfg.get("pooling_mode_lasttoken"):
+                return "last"
+    return "mean"
+
+
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     """A ``Checkpoint`` for a Hugging Face directory; weights are read only when iterated.
 
@@ -129,4 +144,5 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         generation=generation_defaults(path, config),
         source=path,
         skipped_prefixes=tuple(skipped),
+        pooling=declared_pooling(path),
     )

@@ -16,7 +16,7 @@ from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
 from ..generation import Sampling, check_prompt, keep_for, rendered_prompt, sampling_params, thinking_control
-from ..openai_common import new_id
+from ..openai_common import check_model, new_id
 from ..state import ServerState
 from ..streaming import sse_event
 from . import context_edits
@@ -60,6 +60,7 @@ def build_prompt(state: ServerState, low: Lowered) -> Prompt:
 
 
 def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, Any]:
+    check_model(state, req.model)
     low = lower(req, state)
     prompt = build_prompt(state, low)
     out: dict[str, Any] = {"input_tokens": len(prompt.ids)}
@@ -70,6 +71,7 @@ def count_tokens(req: MessagesRequest, state: ServerState) -> dict[str, Any]:
 
 class PreparedMessages:
     def __init__(self, req: MessagesRequest, state: ServerState) -> None:
+        check_model(state, req.model)  # refuses only under --strict-model-names
         low = lower(req, state)
         prompt = build_prompt(state, low)
         text, ids = prompt.text, prompt.ids

@@ -1,2 +1,2 @@
-"""llama.cpp-compatible endpoints: ``/completion``, ``/tokenize``, ``/detokenize``,
-``/apply-template``, ``/props`` and ``/slots``."""
+"""llama.cpp-compatible endpoints: ``/completion`` (and ``/completions``), ``/infill``,
+``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props`` and ``/slots``."""

@@ -1,6 +1,8 @@
 """Pydantic models of the llama.cpp server endpoints we implement, and their engine translation.
 
 Fields follow llama.cpp's names (``n_predict``, ``repeat_penalty``, ``seed: -1`` for random).
+A ``prompt`` is a string, token ids mixed with strings (one prompt), or a list of those (a batch:
+one result each, in a list); ``response_fields`` picks (nested, ``a/b``) fields of the answer.
 Unknown fields are refused by name, as on the OpenAI surface; a few llama.cpp options that only
 tune its own cache or slot choice (``cache_prompt``, ``id_slot``) are accepted and have no effect
 on the output.
@@ -17,10 +19,30 @@ from ..state import SamplingDefaults
 from ..structured import request_grammar
 
 
+PromptParts = list[Union[int, str]]  # token ids and texts, in order: one prompt
+
+
+def prompt_list(prompt: Union[str, list[Any]]) -> tuple[list[PromptParts], bool]:
+    """``(prompts, batch)``: llama.cpp's reading of a ``prompt`` field. A string, or a list of
+    token ids (strings may be mixed in), is one prompt; a list of strings, or of lists, is a
+    batch whose items are each a string or a list of ids and strings."""
+    if isinstance(prompt, str):
+        return [[prompt]], False
+    if any(isinstance(p, int) for p in prompt) and not any(isinstance(p, list) for p in prompt):
+        return [list(prompt)], False
+    prompts = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, int):
+            raise ValueError(f"prompt[{i}]: a batch of prompts holds strings or lists of token ids, not a bare id")
+        prompts.append([item] if isinstance(item, str) else list(item))
+    return prompts, True
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: Union[str, list[Union[int, str]]]
+    prompt: Union[str, list[Union[int, str, list[Union[int, str]]]]]
+    response_fields: list[str] | None = None  # only these fields of the answer ("a/b": nested), named by path
     n_predict: int | None = Field(default=None, ge=-1)  # -1: until eos or the context limit
     max_tokens: int | None = Field(default=None, ge=-1)  # alias of n_predict, as llama.cpp accepts
     stream: bool = False
@@ -57,9 +79,16 @@ class CompletionRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+    def _prompt(cls, v: Union[str, list[Any]]) -> Union[str, list[Any]]:
         if not v:
             raise ValueError("the prompt must not be empty")
+        return v
+
+    @field_validator("response_fields")
+    @classmethod
+    def _fields(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not f.strip("/") for f in v):
+            raise ValueError("a response field must name a field")
         return v
 
     def reject_unsupported(self) -> None:
@@ -104,7 +133,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     content: str
-    add_special: bool = False  # prepend the tokenizer's BOS token, if it has one
+    add_special: bool = False  # prepend the BOS token where the model's texts start with one
     parse_special: bool = True  # special tokens written in the text are recognised
     with_pieces: bool = False
 
@@ -127,3 +156,26 @@ class ApplyTemplateRequest(BaseModel):
 
     messages: list[Any] = Field(min_length=1)
     model: str | None = None
+
+
+class ExtraChunkModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    filename: str = "tmp"
+
+
+class InfillRequest(CompletionRequest):
+    """llama.cpp's ``/infill``: the text before the gap (``input_prefix``), after it
+    (``input_suffix``), other files of the project (``input_extra``), and a ``prompt`` that goes
+    on from the prefix (may be empty); every ``/completion`` sampling field besides."""
+
+    prompt: Union[str, list[Union[int, str]]] = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunkModel] = Field(default_factory=list)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+        return v  # empty: the model goes on from the prefix alone

@@ -5,8 +5,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from ...engine.frontend import fim
 from ...engine.outputs import RequestOutput, TokenLogprob
-from ...engine.sampling_params import SamplingParamError
+from ...engine.sampling_params import SamplingParamError, SamplingParams
 from ..errors import APIError
 from ..generation import check_context_floor, check_prompt, check_token_ids
 from ..choices import all_of, merged
@@ -14,43 +15,99 @@ from ..logprobs import TokenText, llamacpp_entries, llamacpp_logit_bias, new_log
 from ..openai_common import check_choices, check_model, timings
 from ..state import ServerState
 from ..streaming import sse_data
-from .protocol import ApplyTemplateRequest, CompletionRequest, TokenizeRequest
+from .protocol import (ApplyTemplateRequest, CompletionRequest, InfillRequest, PromptParts, TokenizeRequest,
+                       prompt_list)
 
 REPLACEMENT = "\ufffd"
 
 
-class PreparedCompletion:
-    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
-        check_model(state, req.model)
-        req.reject_unsupported()
-        self.n = check_choices(state, req.choices, "n_cmpl" if req.n_cmpl is not None else "n")
-        parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts),
-                            "prompt")
-        if isinstance(req.prompt, str):
-            self.prompt_ids = state.tokenizer.encode(req.prompt)
+def prompt_ids(state: ServerState, parts: PromptParts, param: str, framed: bool = False) -> list[int]:
+    """The ids of one prompt given as texts and token ids in order (each text tokenized apart).
+    ``framed``: a prompt that is one text gets the special tokens the tokenizer puts around an
+    input of its own (``Tokenizer.encode_alone``: embeddings)."""
+    check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts), param)
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            ids += state.tokenizer.encode_alone(part) if framed and len(parts) == 1 else state.tokenizer.encode(part)
         else:
-            ids: list[int] = []
-            for i, part in enumerate(req.prompt):
-                if isinstance(part, str):
-                    ids += state.tokenizer.encode(part)
-                else:
-                    check_token_ids(state, [part], "prompt", offset=i)
-                    ids.append(part)
-            self.prompt_ids = ids
-        if not self.prompt_ids:
-            raise APIError(400, "the prompt has no tokens", "prompt", "invalid_value")
-        check_prompt(state, self.prompt_ids, "prompt")
-        try:
-            self.params = req.sampling_params(state.sampling, state.default_max_tokens,
-                                              llamacpp_logit_bias(state, req.logit_bias))
-        except SamplingParamError as exc:
-            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+            check_token_ids(state, [part], param, offset=i)
+            ids.append(part)
+    if not ids:
+        raise APIError(400, "the prompt has no tokens", param, "invalid_value")
+    check_prompt(state, ids, param)
+    return ids
+
+
+class PreparedCompletion:
+    """One prompt of a ``/completion`` (or ``/infill``) request, tokenized and checked, with the
+    request's sampling parameters; ``index``: its place in a batch; ``n``: its completions."""
+
+    def __init__(self, req: CompletionRequest, state: ServerState, ids: list[int], params: SamplingParams,
+                 index: int = 0, text: str | None = None, n: int = 1) -> None:
+        self.prompt_ids = ids
+        self.params = params
+        self.index = index
+        self.n = n
         self.id = "cmpl-" + uuid.uuid4().hex
         self.model = state.model_id
         self.req = req
+        self.prompt_text = text if text is not None else state.tokenizer.decode(ids)
         self.token_text = TokenText(state.tokenizer)
-        self.prompt_text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(self.prompt_ids)
+
+
+def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
+    try:
+        return req.sampling_params(state.sampling, state.default_max_tokens,
+                                   llamacpp_logit_bias(state, req.logit_bias))
+    except SamplingParamError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+
+
+def prepare_completion(req: CompletionRequest, state: ServerState) -> tuple[list[PreparedCompletion], bool]:
+    """The prompts of a ``/completion`` request, and whether it is a batch (answered as a list)."""
+    check_model(state, req.model)
+    req.reject_unsupported()
+    n_param = "n_cmpl" if req.n_cmpl is not None else "n"
+    n = check_choices(state, req.choices, n_param)
+    try:
+        prompts, batch = prompt_list(req.prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt", "invalid_value") from exc
+    if batch and n > 1:
+        raise APIError(400, "several completions of each prompt of a batch are not available: send a batch "
+                       "or n_cmpl > 1, not both", n_param, "unsupported_parameter")
+    params = completion_params(req, state)
+    out = []
+    for i, parts in enumerate(prompts):
+        ids = prompt_ids(state, parts, f"prompt[{i}]" if batch else "prompt")
+        text = parts[0] if len(parts) == 1 and isinstance(parts[0], str) else None
+        out.append(PreparedCompletion(req, state, ids, params, i, text, n))
+    return out, batch
+
+
+def prepare_infill(req: InfillRequest, state: ServerState) -> PreparedCompletion:
+    """The fill-in-the-middle prompt of an ``/infill`` request (``engine/frontend/fim.py``); a
+    400 naming the FIM tokens the model's tokenizer lacks."""
+    check_model(state, req.model)
+    req.reject_unsupported()
+    tok = state.tokenizer
+    try:
+        tokens = fim.FimTokens.of(tok)
+    except fim.MissingFimTokens as exc:
+        raise APIError(400, f"/infill needs a model trained for fill-in-the-middle: {exc} ('{state.model_id}')",
+                       None, "fim_not_supported") from exc
+    params = completion_params(req, state)
+    parts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    prompt = prompt_ids(state, parts, "prompt") if any(p != "" for p in parts) else []
+    for name in ("input_prefix", "input_suffix"):
+        check_context_floor(state, tok.min_tokens(getattr(req, name)), name)
+    prefix, suffix = tok.encode(req.input_prefix), tok.encode(req.input_suffix)
+    extra = [fim.ExtraChunk(c.text, c.filename) for c in req.input_extra]
+    reserve = min(params.max_tokens or 0, state.max_context // 2)  # room kept for the answer
+    ids = fim.render(tok, tokens, prefix, suffix, prompt, extra, limit=state.max_context - 1 - reserve)
+    check_prompt(state, ids, "input_suffix" if len(suffix) > len(prefix) else "input_prefix")  # the longer one
+    return PreparedCompletion(req, state, ids, params)
 
 
 def stop_type(final: RequestOutput) -> tuple[str, str]:
@@ -117,7 +174,24 @@ async def _choice(prep: PreparedCompletion, index: int, outputs: AsyncIterator[R
         logprobs += new_logprobs(out)
         final = out
     assert final is not None and final.finished
-    return final_body(prep, final, "".join(text), tokens, logprobs, index)
+    return picked(final_body(prep, final, "".join(text), tokens, logprobs, prep.index + index), prep.req.response_fields)
+
+
+def picked(body: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """Only the ``fields`` of ``body`` (all of it when none are named), each under its path:
+    ``generation_settings/n_predict`` is that nested value; a path that leads nowhere is left out."""
+    if not fields:
+        return body
+    out: dict[str, Any] = {}
+    for path in fields:
+        value: Any = body
+        for key in path.strip("/").split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 async def complete(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOutput]]) -> Any:
@@ -133,11 +207,11 @@ async def stream(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOu
     try:
         async for i, out in merged(outputs):
             if out.text or out.token_ids:
-                yield sse_data({"index": i, "content": out.text, "tokens": list(out.token_ids), "stop": False,
-                                "id_slot": -1, "tokens_predicted": out.completion_tokens,
+                yield sse_data({"index": prep.index + i, "content": out.text, "tokens": list(out.token_ids),
+                                "stop": False, "id_slot": -1, "tokens_predicted": out.completion_tokens,
                                 "tokens_evaluated": out.prompt_tokens, **probabilities(prep, new_logprobs(out))})
             if out.finished:
-                yield sse_data(final_body(prep, out, "", [], index=i))
+                yield sse_data(final_body(prep, out, "", [], index=prep.index + i))
     except APIError as exc:
         yield sse_data(exc.body())
 
@@ -147,7 +221,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     req.reject_unsupported()
     tok = state.tokenizer
     ids = tok.encode(req.content)
-    if req.add_special and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+    if req.add_special and tok.adds_bos and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
         ids = [tok.bos_token_id, *ids]
     if not req.with_pieces:
         return {"tokens": ids}

@@ -90,7 +90,7 @@ def test_counters_move_by_exactly_one_request(client):
 
 def test_rejected_requests_are_counted(client):
     before = scrape(client)
-    assert client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}).status_code == 400
+    assert client.post("/v1/chat/completions", json={**CHAT, "temperature": -1}).status_code == 400
     after = scrape(client)
     assert delta(before, after, 'ninfer_requests_total{outcome="rejected"}') == 1
     assert delta(before, after, "ninfer_prompt_tokens_total") == 0

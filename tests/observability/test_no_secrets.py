@@ -27,7 +27,7 @@ SHORT = {"max_tokens": 2, "temperature": 0}
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secrets")
     log = tmp / "requests.jsonl"
-    proc = ServerProcess([SERVE, "--api-key", KEY, "--request-log-jsonl",
+    proc = ServerProcess([SERVE, "--api-key", KEY, "--strict-model-names", "--request-log-jsonl",
                           str(log), "--max-context", "1024", "--log-level", "trace"], tmp / "server.out")
     try:
         yield proc, log
@@ -137,6 +137,13 @@ def llamacpp_requests() -> list[tuple[str, dict]]:
         ("/completion", {"prompt": SECRET, "n_predict": 2, "stream": True}),
         ("/completion", {"prompt": SECRET, "model": SECRET}),
         ("/completion", {"prompt": SECRET, SECRET: SECRET}),
+        ("/completions", {"prompt": [SECRET, SECRET], "n_predict": 2, "response_fields": [SECRET, "content"]}),
+        ("/infill", {"input_prefix": SECRET, "input_suffix": SECRET, "input_extra": [{"filename": SECRET,
+                                                                                      "text": SECRET}]}),
+        ("/v1/embeddings", {"input": [SECRET, SECRET], "model": SECRET}),
+        ("/v1/embeddings", {"input": SECRET, "dimensions": 10**6}),
+        ("/embeddings", {"content": SECRET, "pooling": "none"}),
+        ("/embedding", {"content": SECRET, "pooling": SECRET}),
         ("/tokenize", {"content": SECRET, "with_pieces": True}),
         ("/tokenize", {"content": SECRET, SECRET: SECRET}),
         ("/detokenize", {"tokens": [SECRET]}),
@@ -162,7 +169,7 @@ def send_everything(base: str) -> list[int]:
                     send("POST", path, json=body)
 
         post_all(["/v1/chat/completions", "/chat/completions"], chat_bodies())
-        post_all(["/v1/completions", "/completions"], completion_bodies())
+        post_all(["/v1/completions"], completion_bodies())
         post_all(["/v1/responses", "/v1/responses/input_tokens"], responses_bodies())
         post_all(["/v1/messages", "/v1/messages/count_tokens"], anthropic_bodies())
         for path, body in llamacpp_requests():

@@ -59,8 +59,8 @@ def test_every_request_has_one_start_and_one_terminal(logged):
     assert client.post("/v1/messages", json=anthropic_body).status_code == 200
     expected["request_done"] += 1
 
-    # refused before the engine: unknown model, bad field, no key
-    assert client.post("/v1/chat/completions", json=chat(SECRET, model="nope")).status_code == 400
+    # refused before the engine: a value out of range, bad field, no key
+    assert client.post("/v1/chat/completions", json=chat(SECRET, temperature=-1)).status_code == 400
     assert client.post("/completion", json={"prompt": SECRET, "bogus": 1}).status_code == 400
     assert httpx.post(str(client.base_url) + "/v1/chat/completions", json=chat(SECRET)).status_code == 401
     bad_thinking = {**anthropic_body, "thinking": {"type": "enabled", "budget_tokens": 10}}
@@ -111,7 +111,7 @@ def test_every_request_has_one_start_and_one_terminal(logged):
     assert errors == ["cancelled", "request_queue_timeout"]
     rejected = sorted((e["status"], e["error"].get("param") or "") for e in log if e["event"] == "request_rejected")
     # an unknown field's name is the client's, not the server's: logged as "*"
-    assert rejected == [(400, ""), (400, "*"), (400, "model"), (401, "")]
+    assert rejected == [(400, ""), (400, "*"), (400, "temperature"), (401, "")]
     anthropic_rejected = [e for e in log if e["event"] == "request_rejected" and e["protocol"] == "anthropic"]
     assert anthropic_rejected[0]["error"]["type"] == "invalid_request_error"
     assert "message" not in anthropic_rejected[0]["error"]  # messages quote requests: never logged

@@ -1,5 +1,6 @@
-"""Local-server conventions: ``model`` may be left out on the OpenAI routes (the served model
-answers), ``--served-model-name`` aliases are accepted everywhere and listed by ``/v1/models``, and
+"""Local-server conventions: ``model`` may be left out or name any model (the served model
+answers, as llama-server does; ``--strict-model-names`` refuses names that are not public),
+``--served-model-name`` aliases are accepted everywhere and listed by ``/v1/models``, and
 llama.cpp's spellings without ``/v1`` answer as their ``/v1`` routes."""
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def served():
     with LiveServer(create_app(state)) as live, httpx.Client(base_url=live.base_url, headers=AUTH,
                                                              timeout=30) as client:
         yield client, live
+    loop.stop()
+
+
+@pytest.fixture(scope="module")
+def strict():
+    """The same server under ``--strict-model-names``."""
+    state, loop = scripted_state({}, ANSWER, "--no-thinking", "--strict-model-names", "--served-model-name",
+                                 "alias-a", "alias-b")
+    loop.start()
+    with LiveServer(create_app(state)) as live, httpx.Client(base_url=live.base_url, timeout=30) as client:
+        yield client
     loop.stop()
 
 
@@ -94,19 +106,73 @@ def test_streamed_chat_without_model(http):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ANSWER
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/chat/completions"])
-@pytest.mark.parametrize("model", ["gpt-4o", "", "Alias-A"])
-def test_chat_with_an_unknown_model_is_a_400_naming_model(http, path, model):
-    assert error_of(http.post(path, json={"model": model, "messages": MESSAGES})) == (400, "model", "model_not_found")
+ANY_NAME = ["gpt-4o", "gpt-3.5-turbo", "davinci-002", "Alias-A"]
+ROUTES = [("/v1/chat/completions", {"messages": MESSAGES}), ("/chat/completions", {"messages": MESSAGES}),
+          ("/v1/completions", {"prompt": "2+2=", "max_tokens": 8}),
+          ("/v1/responses", {"input": "2+2?", "store": False}),
+          ("/completion", {"prompt": "2+2=", "n_predict": 8})]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/completions"])
+@pytest.mark.parametrize("path, body", ROUTES, ids=[p for p, _ in ROUTES])
+@pytest.mark.parametrize("model", ANY_NAME)
+def test_any_model_name_is_answered_by_the_served_model(http, path, body, model):
+    r = http.post(path, json={"model": model, **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "scripted"  # the model that answered, not the name asked for
+
+
+def test_any_model_name_on_the_other_routes(http):
+    r = http.post("/apply-template", json={"model": "gpt-4o", "messages": MESSAGES})
+    assert r.status_code == 200 and "2+2?" in r.json()["prompt"]
+    r = http.post("/v1/messages", json={"model": "claude-x", "max_tokens": 8, "messages": MESSAGES})
+    assert r.status_code == 200 and r.json()["model"] == "claude-x"  # Messages echo the label, as before
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == NAMES  # the listing is unchanged
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=[p for p, _ in ROUTES])
+@pytest.mark.parametrize("model", ["gpt-4o", "Alias-A"])
+def test_strict_model_names_refuse_an_unknown_name(strict, path, body, model):
+    assert error_of(strict.post(path, json={"model": model, **body})) == (400, "model", "model_not_found")
+
+
+def test_strict_model_names_refuse_it_on_every_route(strict):
+    assert error_of(strict.post("/apply-template", json={"model": "nope", "messages": MESSAGES})) == (
+        400, "model", "model_not_found")
+    r = strict.post("/v1/messages", json={"model": "claude-x", "max_tokens": 8, "messages": MESSAGES})
+    assert r.status_code == 400 and "claude-x" in r.json()["error"]["message"]
+    r = strict.post("/v1/responses/input_tokens", json={"model": "nope", "input": "2+2?"})
+    assert error_of(r) == (400, "model", "model_not_found")
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=[p for p, _ in ROUTES])
+def test_strict_model_names_take_the_public_names(strict, path, body):
+    for name in ("scripted", "alias-a", None):
+        r = strict.post(path, json={"model": name, **body})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] in (name or "scripted", "scripted")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions"])
 def test_completions_without_model_and_with_an_alias(http, path):
     r = http.post(path, json={"prompt": "2+2=", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["model"] == "scripted"
     r = http.post(path, json={"model": "alias-a", "prompt": "2+2=", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["model"] == "alias-a"
-    assert error_of(http.post(path, json={"model": "nope", "prompt": "x"})) == (400, "model", "model_not_found")
+    assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == ANSWER
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions"])
+def test_completions_without_v1_is_llamacpp_native(http, path):
+    """As in llama-server: ``/completions`` is ``/completion``, ``/v1/completions`` the OpenAI one."""
+    r = http.post(path, json={"prompt": "2+2=", "n_predict": 8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == ANSWER and body["stop"] is True and "choices" not in body
+    assert body["tokens"] and all(isinstance(t, int) for t in body["tokens"])
+    assert body["timings"]["predicted_n"] == len(body["tokens"]) and body["tokens_evaluated"] > 0
+    with http.stream("POST", path, json={"prompt": "2+2=", "n_predict": 8, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(c["content"] for c in chunks) == ANSWER and chunks[-1]["stop"] is True
 
 
 def test_responses_without_model_and_with_an_alias(http):
@@ -115,8 +181,6 @@ def test_responses_without_model_and_with_an_alias(http):
     assert r.json()["model"] == "scripted" and r.json()["status"] == "completed"
     r = http.post("/v1/responses", json={"model": "alias-b", "input": "2+2?", "store": False})
     assert r.status_code == 200, r.text
-    assert error_of(http.post("/v1/responses", json={"model": "nope", "input": "x"})) == (400, "model",
-                                                                                          "model_not_found")
     counted = http.post("/v1/responses/input_tokens", json={"model": "alias-a", "input": "2+2?"})
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
 
@@ -126,8 +190,6 @@ def test_llamacpp_routes_take_the_aliases(http):
     assert r.status_code == 200 and r.json()["content"] == ANSWER
     r = http.post("/apply-template", json={"model": "alias-b", "messages": MESSAGES})
     assert r.status_code == 200 and "2+2?" in r.json()["prompt"]
-    assert error_of(http.post("/completion", json={"model": "nope", "prompt": "x"})) == (400, "model",
-                                                                                         "model_not_found")
 
 
 def test_the_openai_sdk_without_v1_in_its_base_url(served):
@@ -136,7 +198,7 @@ def test_the_openai_sdk_without_v1_in_its_base_url(served):
     assert [m.id for m in client.models.list().data] == NAMES
     reply = client.chat.completions.create(model="alias-a", messages=MESSAGES)
     assert reply.model == "alias-a" and reply.choices[0].message.content == ANSWER
-    assert client.completions.create(model="scripted", prompt="2+2=", max_tokens=8).choices[0].text == ANSWER
+    # /completions is llama.cpp's native completion, as in llama-server: legacy Completions need /v1
 
 
 def _names(*argv: str) -> dict:

@@ -63,7 +63,7 @@ def test_auth_and_request_ids(http):
     other = http.post("/v1/chat/completions", json=chat_body(), headers={"x-api-key": KEY})
     assert ok.status_code == other.status_code == 200
     assert ok.headers["x-request-id"] != other.headers["x-request-id"]
-    bad = http.post("/v1/chat/completions", json=chat_body(model="nope"), headers=AUTH)
+    bad = http.post("/v1/chat/completions", json=chat_body(temperature=-1), headers=AUTH)
     assert bad.status_code == 400 and bad.headers["x-request-id"]
     missing = http.get("/v1/nothing-here", headers=AUTH)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"

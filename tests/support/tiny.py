@@ -17,7 +17,10 @@ CORPUS = [
 ] * 20
 
 
-def train_tokenizer(vocab_size: int = 400):
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def train_tokenizer(vocab_size: int = 400, extra_special: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -25,15 +28,15 @@ def train_tokenizer(vocab_size: int = 400):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def save_tokenizer(path: Path, vocab_size: int = 400) -> int:
-    tok = train_tokenizer(vocab_size)
+def save_tokenizer(path: Path, vocab_size: int = 400, extra_special: list[str] = ()) -> int:
+    tok = train_tokenizer(vocab_size, extra_special)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
@@ -112,12 +115,13 @@ def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def save_tiny_qwen3(path: Path, seed: int = 0) -> Path:
-    """A 3-layer Qwen3 dense (per-head q/k norms, GQA)."""
+def save_tiny_qwen3(path: Path, seed: int = 0, special: list[str] = ()) -> Path:
+    """A 3-layer Qwen3 dense (per-head q/k norms, GQA); ``special``: more special tokens (after
+    the first three), such as ``FIM_TOKENS``."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = save_tokenizer(path)
+    vocab = save_tokenizer(path, extra_special=special)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -125,6 +129,38 @@ def save_tiny_qwen3(path: Path, seed: int = 0) -> Path:
     model = transformers.Qwen3ForCausalLM(cfg)
     _perturb(model, 0.3)
     model.save_pretrained(path)
+    return path
+
+
+def save_tiny_qwen3_embedding(path: Path, seed: int = 0) -> Path:
+    """A 3-layer Qwen3 saved as Qwen3-Embedding checkpoints are: the base ``Qwen3Model`` alone (no
+    ``model.`` prefix, no LM head: tied), a tokenizer that closes each input with
+    ``<|endoftext|>``, and sentence-transformers files declaring last-token pooling and
+    normalization."""
+    import transformers
+    from tokenizers import Tokenizer, processors
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    tok.save(str(path / "tokenizer.json"))
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, eos_token_id=2, tie_word_embeddings=True)
+    model = transformers.Qwen3Model(cfg)
+    _perturb(model, 0.3)
+    model.save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True}))
     return path
 
 
