@@ -21,6 +21,8 @@ import argparse
 import json
 import time
 
+import torch
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -125,7 +127,6 @@ def main() -> None:
         engine_cost(args.shape, args.batch, args.tokens)
         return
 
-    import torch
 
     tok = _tokenizer(args.tokenizer)
     vocab = tok.vocab_size
