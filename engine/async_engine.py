@@ -38,8 +38,9 @@ def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     first.token_ids = first.token_ids + later.token_ids
     if first.logprobs is not None or later.logprobs is not None:
         first.logprobs = (first.logprobs or []) + (later.logprobs or [])
-    for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "reasoning_tokens", "prefill_time", "decode_time", "embedding"):
+    for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "reuse",
+                 "completion_tokens", "reasoning_tokens", "reasoning_loop", "prefill_time", "decode_time",
+                 "embedding", "error", "error_code"):
         setattr(first, name, getattr(later, name))
     return first
 

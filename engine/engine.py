@@ -319,6 +319,8 @@ class LLMEngine:
                 hit_max = params.max_tokens is not None and len(req.output_ids) >= params.max_tokens
                 if matched is not None:
                     out = self._finish(req, FinishReason.STOP, matched, text)
+                elif thinking.stops(req):  # its reasoning repeated itself (--reasoning-loop stop)
+                    out = self._finish(req, FinishReason.STOP, None, text + processor.flush())
                 elif hit_max or req.num_tokens >= req.max_total_tokens:
                     out = self._finish(req, FinishReason.LENGTH, None, text + processor.flush())
             if out is not None:
@@ -363,6 +365,7 @@ class LLMEngine:
             reuse=req.reuse,
             completion_tokens=len(req.output_ids),
             reasoning_tokens=thinking.reasoning_tokens(req),
+            reasoning_loop=thinking.looped(req),
             embedding=req.pooled.result() if done else None,
             error=error,
             error_code=req.error_code,

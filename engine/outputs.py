@@ -30,6 +30,7 @@ class RequestOutput:
     reuse: dict[str, str] | None = None  # where the cached tokens came from (``Request.reuse``), final output
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # output tokens committed inside the reasoning block (cumulative)
+    reasoning_loop: bool = False  # the reasoning repeated itself and was ended (``thinking.py``), final output
     embedding: list[list[float]] | None = None  # an embedding request's pooled states, final output
     error: str | None = None
     error_code: str | None = None  # e.g. "request_queue_timeout"

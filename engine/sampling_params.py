@@ -79,16 +79,24 @@ class ThinkingControl:
 
     ``end_id``: the token that closes the block (``</think>``). ``budget``: after this many
     reasoning tokens the engine commits ``close_ids`` (guidance text ending in the close marker)
-    instead of sampling, then continues (``engine/thinking.py``)."""
+    instead of sampling, then continues (``engine/thinking.py``). ``loop``: what reasoning that
+    repeats itself gets: ``stop`` ends the request, ``conclude`` commits ``close_ids`` as the
+    budget does (None: nothing)."""
 
     end_id: int
     budget: int | None = None
     close_ids: tuple[int, ...] = ()
+    loop: str | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None and (self.budget < 1 or self.end_id not in self.close_ids):
             raise SamplingParamError("thinking_budget", "a thinking budget must be >= 1 and its close "
                                      "suffix must contain the close token")
+        if self.loop not in (None, "stop", "conclude"):
+            raise SamplingParamError("reasoning_loop", f"reasoning_loop must be 'stop' or 'conclude', got {self.loop!r}")
+        if self.loop == "conclude" and self.end_id not in self.close_ids:
+            raise SamplingParamError("reasoning_loop", "concluding a reasoning loop needs a close suffix that "
+                                     "contains the close token")
 
 
 class SamplingParamError(ValueError):

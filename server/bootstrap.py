@@ -108,7 +108,7 @@ def gateway_settings(args: argparse.Namespace) -> dict:
     return dict(
         thinking=ThinkingDefaults(enable_thinking=False if args.no_thinking else None,
                                   preserve_thinking=True if args.preserve_thinking else None,
-                                  budget=args.default_thinking_budget),
+                                  budget=args.default_thinking_budget, loop=args.reasoning_loop),
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=int(args.max_request_mib * (1 << 20)),
         cors_origins=origins,

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the reasoning of every past assistant turn in the prompt unless a request says not")
     p.add_argument("--default-thinking-budget", type=int, default=None, metavar="N",
                    help="close the reasoning of thinking requests after N tokens and let the answer continue")
+    p.add_argument("--reasoning-loop", choices=["stop", "conclude"], default=None,
+                   help="reasoning that repeats itself (the same span three times over): 'stop' ends the request, "
+                        "'conclude' closes the reasoning and lets the answer follow (default: let it run)")
     p.add_argument("--cors", default=None, metavar="ORIGINS",
                    help="comma-separated browser origins allowed to call the API: 'localhost' for pages served "
                         "from this machine (localhost, 127.0.0.1, [::1], any port), '*' for any, '' for none "

@@ -293,16 +293,18 @@ def check_prompt(state: ServerState, ids: list[int], param: str = "messages") ->
 def thinking_control(state: ServerState, prompt_text: str, prompt_tokens: int, max_tokens: int | None,
                      budget: int | None, budget_param: str = "thinking_budget") -> tuple[bool, ThinkingControl | None]:
     """(output starts inside reasoning, its engine control). A budget applies only to output that
-    starts in reasoning; the request's ``budget`` overrides ``--default-thinking-budget``."""
+    starts in reasoning; the request's ``budget`` overrides ``--default-thinking-budget``;
+    ``--reasoning-loop`` comes with every control."""
     if not prompt_opens_reasoning(prompt_text):
         return False, None
     end_id = state.tokenizer.token_to_id(THINK_CLOSE)
     if end_id is None:  # the close tag is not one token: no accounting
         return True, None
     budget = state.thinking.budget if budget is None else budget
+    loop = state.thinking.loop
+    close_ids = tuple(state.tokenizer.encode(THINKING_CLOSE_TEXT)) if budget is not None or loop else ()
     if budget is None:
-        return True, ThinkingControl(end_id)
-    close_ids = tuple(state.tokenizer.encode(THINKING_CLOSE_TEXT))
+        return True, ThinkingControl(end_id, close_ids=close_ids, loop=loop)
     capacity = state.max_context - prompt_tokens
     if max_tokens is not None:
         capacity = min(capacity, max_tokens)
@@ -310,7 +312,7 @@ def thinking_control(state: ServerState, prompt_text: str, prompt_tokens: int, m
         raise APIError(400, f"the output limit ({capacity} tokens) reaches past the thinking budget ({budget}) "
                        f"but cannot hold the {len(close_ids)}-token close and one answer token",
                        budget_param, "thinking_budget_capacity_insufficient")
-    return True, ThinkingControl(end_id, budget, close_ids)
+    return True, ThinkingControl(end_id, budget, close_ids, loop)
 
 
 def sampling_params(state: ServerState, s: Sampling, thinking: ThinkingControl | None = None) -> SamplingParams:

@@ -30,10 +30,13 @@ class ThinkingDefaults:
     enable_thinking: bool | None = None  # --no-thinking -> False
     preserve_thinking: bool | None = None  # --preserve-thinking -> True
     budget: int | None = None  # --default-thinking-budget, for requests that start thinking
+    loop: str | None = None  # --reasoning-loop: stop | conclude reasoning that repeats itself (None: let it run)
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 1:
             raise ValueError(f"--default-thinking-budget must be >= 1, got {self.budget}")
+        if self.loop not in (None, "stop", "conclude"):
+            raise ValueError(f"--reasoning-loop must be 'stop' or 'conclude', got {self.loop!r}")
 
 
 @dataclass

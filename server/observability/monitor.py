@@ -203,6 +203,8 @@ class RequestWatch:
             record["finish_reason"] = reason
             record["stop_kind"] = None if stop is None else "stop_string" if isinstance(stop, str) else "token"
             record["decode_tps"] = decode_tps
+            if final.reasoning_loop:
+                record["reasoning_loop"] = True  # its reasoning repeated itself and was ended (--reasoning-loop)
             hub.log.write("request_done", **record)
         else:
             record["kind"] = reason  # the error's code; its message may quote the request, so it stays out

@@ -321,6 +321,25 @@ def test_default_thinking_budget_and_natural_close(client, defaults):
     assert off.usage.completion_tokens_details.reasoning_tokens == 0  # non-thinking requests get no cap
 
 
+def test_reasoning_loop_stop_and_conclude(client, defaults):
+    """The "ponder" reasoning says "Step one." thirty times over: the guard catches it."""
+    whole = client.chat.completions.create(model=MODEL, messages=user("ponder"))
+    assert whole.choices[0].message.reasoning_content.count("Step one.") == 30
+    defaults(loop="stop")
+    stopped = client.chat.completions.create(model=MODEL, messages=user("ponder"))
+    c = stopped.choices[0]
+    assert c.finish_reason == "stop" and not c.message.content
+    assert 3 <= c.message.reasoning_content.count("Step one.") < 30
+    defaults(loop="conclude")
+    concluded = client.chat.completions.create(model=MODEL, messages=user("ponder"))
+    c = concluded.choices[0]
+    assert c.message.content == "The answer is 42."
+    assert "Considering the limited time" in c.message.reasoning_content
+    assert c.message.reasoning_content.count("Step one.") < 30
+    natural = client.chat.completions.create(model=MODEL, messages=user("capital"))  # no repeat: untouched
+    assert natural.choices[0].message.reasoning_content == "The user asks for a capital."
+
+
 def test_no_thinking_default_and_request_override(client, defaults):
     defaults(enable_thinking=False)
     plain = client.chat.completions.create(model=MODEL, messages=user("capital"))
@@ -351,10 +370,11 @@ def test_cli_flags_reach_the_state():
     from ninfer.server.cli import build_parser
 
     args = build_parser().parse_args(["--no-thinking", "--preserve-thinking", "--default-thinking-budget", "64",
+                                      "--reasoning-loop", "conclude",
                                       "--cors", "https://a.example, https://b.example", "--max-request-mib", "2",
                                       "--default-max-tokens", "100", "--response-store-mib", "1"])
     s = gateway_settings(args)
-    assert s["thinking"] == ThinkingDefaults(enable_thinking=False, preserve_thinking=True, budget=64)
+    assert s["thinking"] == ThinkingDefaults(enable_thinking=False, preserve_thinking=True, budget=64, loop="conclude")
     assert s["cors_origins"] == ("https://a.example", "https://b.example")
     assert s["max_request_bytes"] == 2 << 20 and s["default_max_tokens"] == 100
     assert s["responses"].capacity == 1 << 20
