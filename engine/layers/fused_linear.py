@@ -102,8 +102,9 @@ class NormFusedInput:
 
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
-    """The concatenated ``[sum(out), in]`` weight, or None when a module has a bias."""
-    if any(lin.bias is not None for lin in linears):
+    """The concatenated ``[sum(out), in]`` weight, or None when a module has a bias or holds
+    its weight quantized (``linear.Linear.method``)."""
+    if any(lin.bias is not None or getattr(lin, "method", None) is not None for lin in linears):
         return None
     fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     offset = 0
