@@ -10,6 +10,10 @@ from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 
 # fla-core's chunked Gated DeltaNet keeps one [K, V] state per head for every chunk of this many tokens
 GDN_CHUNK = 64
+# how weights are held (``loader.load_model``): "auto" as the checkpoint stores them, a GGUF
+# file's Q4_0 / Q4_1 / Q8_0 matrices kept quantized on the CPU (``layers/linear.py``), every
+# other tensor in ``dtype``; "dense" every tensor dequantized to ``dtype``
+WEIGHT_FORMATS = ("auto", "dense")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class EngineConfig:
     overlap: bool | None = None
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    weights: str = "auto"  # one of WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,6 +58,7 @@ class EngineConfig:
             ("pending_timeout_s", self.pending_timeout_s is None or self.pending_timeout_s > 0, "must be > 0"),
             ("prefix_checkpoints", 0 <= self.prefix_checkpoints <= 1024, "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
+            ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -37,12 +37,20 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
     raise FileNotFoundError(f"model path {p} does not exist")
 
 
-def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
+def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
+               weights: str = "auto") -> CausalLM:
+    """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
+    (``engine_config.WEIGHT_FORMATS``): with "auto" on the CPU a checkpoint's quantized matrices
+    stay quantized (``Checkpoint.quantized_weights``)."""
+    from ..engine_config import WEIGHT_FORMATS
     from ..models.registry import build_model
 
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     start = time.perf_counter()
     model = build_model(ckpt.config, dtype=dtype, device=device)
-    model.load_weights(ckpt.weights())
+    keep = weights == "auto" and torch.device(device).type == "cpu" and ckpt.quantized_weights is not None
+    model.load_weights(ckpt.quantized_weights() if keep else ckpt.weights())
     model.eval()
     if torch.device(device).type == "cuda":
         from ..layers.fused_linear import fuse_model_projections

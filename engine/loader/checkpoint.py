@@ -48,3 +48,6 @@ class Checkpoint:
     generation: GenerationDefaults
     source: str  # path it was read from
     skipped_prefixes: tuple[str, ...] = ()  # weight groups recognised and not loaded (mtp., visual.)
+    # the same tensors with those of formats that stay quantized on the CPU as ``GroupQuantized``
+    # (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices); None when the checkpoint has none
+    quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
