@@ -6,17 +6,17 @@ Q4_0 / Q4_1 / Q8_0) is placed with ``Linear.take_quantized``, which swaps the de
 for a ``LinearMethod``: a module that owns the packed form of the weight and whose
 ``forward(x)`` is ``x @ weight.T``. The layers call the projection (``proj(x)``) and never look
 at which kind it holds; projections held quantized are not fused (``fuse_linears``: the packed
-layout interleaves rows, so parts do not concatenate), and the token embedding and the LM head
-take the same weights (``embedding.py``).
+layout interleaves rows, so parts do not concatenate). The token embedding and the LM head take
+the same weights (``embedding.py``).
 
-The CPU methods run on torch's group-wise int4 matmul (``aten._weight_int4pack_mm_for_cpu``,
+The CPU method runs on torch's group-wise int4 matmul (``aten._weight_int4pack_mm_for_cpu``,
 ``value = (q - 8) * scale + zero`` per group of 32 to 256 columns, 16-row blocks), which has a
 vectorized kernel for bf16 inputs only (fp32 inputs were 10-30x slower than the fp32 dense
-product, fp16 ones 100x): the activations are rounded to bf16 for the product and the result
-comes back in the caller's dtype, and the per-group scales and zeros are held in bf16. 8-bit
-groups (Q8_0) are split into their high and low nibbles, two int4 products with the same groups,
-summed: exact, and at SmolLM2's tied head (49152 x 576) 2.0 ms a token on two cores against 4.3
-ms for its fp32 dequantized weight.
+product, fp16 ones 100x): the activations are rounded to bf16 for the product, the per-group
+scales and zeros are held in bf16, and the result, rounded to bf16, comes back in the caller's
+dtype. 8-bit groups (Q8_0) are split into their high and low nibbles, two int4 products over the
+same groups, summed (at 49152 x 576, 2.0 ms a token on two cores against 4.3 ms for the fp32
+dequantized weight).
 """
 from __future__ import annotations
 

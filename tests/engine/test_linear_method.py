@@ -84,26 +84,31 @@ def test_quantized_projections_are_not_fused():
     assert_rounded_close(a(x), reference(x, random_groups(16, 64, 4, False)))
 
 
-def test_embedding_rows_and_tied_head():
+def test_embedding_rows_stay_quantized():
     w = random_groups(64, 32, 8, False)
     emb = Embedding(64, 32)
-    head = LMHead(32, 64, tied_to=emb)
     emb.take_quantized("embed.weight", w)
+    assert emb.weight is None and emb.table is w
     ids = torch.tensor([[3, 0], [63, 3]])
     rows = emb(ids)
-    assert rows.shape == (2, 2, 32) and torch.equal(rows, w.dequantize()[ids])  # lookups are exact
+    assert rows.shape == (2, 2, 32) and rows.dtype == torch.float32
+    assert torch.equal(rows, w.dequantize()[ids])  # lookups are exact
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_is_held_dense(tied):
+    """Logits are read by sampling as they are: the head's weight is dequantized, never run
+    through the bf16-rounding int4 product (a tied table with it)."""
+    w = random_groups(64, 32, 8, False)
+    emb = Embedding(64, 32)
+    head = LMHead(32, 64, tied_to=emb if tied else None)
+    owner, name = (emb, "model.embed_tokens.weight") if tied else (head, "lm_head.weight")
+    owner.take_quantized(name, w)
+    assert torch.equal(head.lm_weight, w.dequantize())
     hidden = torch.randn(4, 32)
-    logits = head(hidden)
-    assert logits.dtype == torch.float32
-    assert_rounded_close(logits, reference(hidden, w))
-
-
-def test_untied_head():
-    w = random_groups(64, 32, 4, True)
-    head = LMHead(32, 64)
-    head.take_quantized("lm_head.weight", w)
-    hidden = torch.randn(2, 32)
-    assert_rounded_close(head(hidden), reference(hidden, w))
+    torch.testing.assert_close(head(hidden), hidden @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+    if tied:
+        assert emb.table is None and torch.equal(emb(torch.tensor([5])), w.dequantize()[5:6])
 
 
 class _Block(nn.Module):
