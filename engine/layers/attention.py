@@ -107,7 +107,7 @@ class Attention(NormFusedInput, nn.Module):
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self._sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self._fused: torch.Tensor | None = None  # concatenated q/k/v weight (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated q/k/v (fuse_projections)
         if qk_norm is not None:
             zero_centered = qk_norm == "zero_centered"
             self.q_norm = RMSNorm(head_dim, eps, zero_centered)

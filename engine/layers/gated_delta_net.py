@@ -94,7 +94,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         # the fused input projection's parts: qkv, z, b, a
         self._sizes = [self.conv_dim, self.value_dim, num_v_heads, num_v_heads]
         self._make_projections(hidden_size)
-        self._fused: torch.Tensor | None = None  # concatenated input projections (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated input projections (fuse_projections)
         self.conv1d = _DepthwiseConv(self.conv_dim, conv_kernel)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))

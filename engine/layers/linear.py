@@ -5,9 +5,10 @@ weight (integers with a scale and an offset per group of input columns, as a GGU
 Q4_0 / Q4_1 / Q8_0) is placed with ``Linear.take_quantized``, which swaps the dense parameter
 for a ``LinearMethod``: a module that owns the packed form of the weight and whose
 ``forward(x)`` is ``x @ weight.T``. The layers call the projection (``proj(x)``) and never look
-at which kind it holds; projections held quantized are not fused (``fuse_linears``: the packed
-layout interleaves rows, so parts do not concatenate). The token embedding and the LM head take
-the same weights (``embedding.py``).
+at which kind it holds. Projections of one input held quantized fuse like dense ones
+(``fuse_linears``) into one method of their concatenated rows (``fuse_methods``): the packed
+layout interleaves rows in blocks of 64, so parts of whole blocks concatenate as they are. The
+token embedding and the LM head take the same weights (``embedding.py``).
 
 The CPU method runs on torch's group-wise int4 matmul (``aten._weight_int4pack_mm_for_cpu``,
 ``value = (q - 8) * scale + zero`` per group of 32 to 256 columns, 16-row blocks), which has a
@@ -28,7 +29,8 @@ from torch import nn
 from .fused_linear import decode_linear
 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes the int4 matmul takes
-INT4_ROW_BLOCK = 16  # its packed layout interleaves blocks of this many output rows
+INT4_ROW_BLOCK = 16  # output rows must come in multiples of this
+INT4_PACK_ROWS = 64  # the packed layout interleaves blocks of this many rows (when they are whole)
 ACTIVATION_DTYPE = torch.bfloat16  # the dtype its vectorized kernel takes
 
 
@@ -154,6 +156,26 @@ def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
         raise ValueError(f"{w.kind} weight {tuple(w.shape)} in groups of {w.group}: the CPU int4 matmul "
                          f"needs groups of {INT4_GROUPS} and output rows in multiples of {INT4_ROW_BLOCK}")
     return Int4CpuMethod.from_groups(w)
+
+
+def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
+    """One method for projections of the same input, outputs concatenated in order; None where
+    their kinds or groups differ, or a part before the last is not whole packed blocks."""
+    if not all(isinstance(m, Int4CpuMethod) for m in methods):
+        return None
+    first = methods[0]
+    if any(m.group != first.group or m.parts != first.parts or m.in_features != first.in_features
+           for m in methods) or any(m.out_features % INT4_PACK_ROWS for m in methods[:-1]):
+        return None
+    parts = [[m._part(i) for m in methods] for i in range(first.parts)]
+    fused = Int4CpuMethod([torch.cat([p for p, _ in ps]) for ps in parts],
+                          [torch.cat([sz for _, sz in ps], dim=1) for ps in parts], first.group, first.in_features)
+    start = 0
+    for m in methods:  # each part's packed rows become a view of the fused ones, as dense weights do
+        for i in range(m.parts):
+            setattr(m, f"packed{i}", fused._part(i)[0][start : start + m.out_features])
+        start += m.out_features
+    return fused
 
 
 class Linear(nn.Linear):

@@ -18,7 +18,7 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self._sizes = [intermediate_size, intermediate_size]
-        self._fused: torch.Tensor | None = None  # concatenated gate/up weight (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated gate/up (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """On row blocks for a long prompt chunk: the gate/up output is the widest tensor of a

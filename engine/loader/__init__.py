@@ -52,7 +52,8 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     keep = weights == "auto" and torch.device(device).type == "cpu" and ckpt.quantized_weights is not None
     model.load_weights(ckpt.quantized_weights() if keep else ckpt.weights())
     model.eval()
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" or keep:
+        # on the CPU only a checkpoint held quantized: one int4 product for q/k/v, one for gate/up
         from ..layers.fused_linear import fuse_model_projections
 
         fuse_model_projections(model)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ninfer.engine.layers.embedding import Embedding, LMHead
-from ninfer.engine.layers.fused_linear import fuse_linears
+from ninfer.engine.layers.fused_linear import fuse_linears, split_linear
 from ninfer.engine.layers.linear import GroupQuantized, Int4CpuMethod, Linear
 from ninfer.engine.layers.norm import RMSNorm
 from ninfer.engine.models.weights import load_parameters
@@ -73,15 +73,31 @@ def test_larger_groups_and_bias():
     assert_rounded_close(lin(x) - lin.bias, reference(x, w))
 
 
-def test_quantized_projections_are_not_fused():
-    """The packed layout interleaves rows: parts of a fused projection stay apart when quantized."""
-    a, b = Linear(64, 16, bias=False), Linear(64, 16, bias=False)
-    a.take_quantized("a.weight", random_groups(16, 64, 4, False))
-    assert fuse_linears([a, b]) is None
-    b.take_quantized("b.weight", random_groups(16, 64, 4, False))
-    assert fuse_linears([a, b]) is None
-    x = torch.randn(2, 64)
-    assert_rounded_close(a(x), reference(x, random_groups(16, 64, 4, False)))
+def quantized_parts(sizes: list[int], cols: int = 64) -> list[Linear]:
+    parts = [Linear(cols, n, bias=False) for n in sizes]
+    for i, p in enumerate(parts):
+        p.take_quantized(f"p{i}.weight", random_groups(p.out_features, cols, 4, True, seed=i))
+    return parts
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_quantized_parts_equal_the_parts(bits):
+    parts = [Linear(64, n, bias=False) for n in (128, 64, 48)]  # the last part need not be whole blocks
+    for i, p in enumerate(parts):
+        p.take_quantized(f"p{i}.weight", random_groups(p.out_features, 64, bits, bits == 4, seed=i))
+    fused = fuse_linears(parts)
+    assert isinstance(fused, Int4CpuMethod) and fused.out_features == 240
+    x = torch.randn(3, 64)
+    for got, part in zip(split_linear(x, fused, [128, 64, 48]), parts):
+        assert torch.equal(got, part(x))
+        # the parts' packed rows are views of the fused ones (no second copy)
+        assert part.method.packed0.untyped_storage().data_ptr() == fused.packed0.untyped_storage().data_ptr()
+
+
+def test_parts_that_cannot_be_joined_stay_apart():
+    assert fuse_linears(quantized_parts([48, 16])) is None  # 48 rows: not whole packed blocks
+    a, b = quantized_parts([64])[0], Linear(64, 16, bias=False)
+    assert fuse_linears([a, b]) is None  # one dense, one quantized
 
 
 def test_embedding_rows_stay_quantized():

@@ -10,14 +10,14 @@ from gguf.quants import dequantize, quantize
 
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.layers.embedding import Embedding
-from ninfer.engine.layers.linear import Linear
+from ninfer.engine.layers.linear import Int4CpuMethod, Linear
 from ninfer.engine.loader import load_model
 from ninfer.engine.loader.gguf_loader import kept_quantized, load_gguf, open_gguf
 from ninfer.engine.loader.gguf_quant import group_quantized
 from ninfer.engine.models.base import ForwardBatch
 
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 128
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 128, 8, 4, 192, 2, 128
 HEAD_DIM = HIDDEN // HEADS
 
 
@@ -88,6 +88,8 @@ def test_llama_kept_quantized_gives_the_dequantized_logits(gguf_writer, qtype, t
     # a table tied to the head is held dense; an untied one stays quantized (layers/embedding.py)
     assert isinstance(kept.model.embed_tokens, Embedding) and (kept.model.embed_tokens.table is None) == tied
     assert not any(m.quantized for m in dense.modules() if isinstance(m, Linear))
+    for layer in kept.model.layers:  # q/k/v and gate/up each one int4 product
+        assert isinstance(layer.self_attn._fused, Int4CpuMethod) and isinstance(layer.mlp._fused, Int4CpuMethod)
     ids = [5, 17, 99, 3, 64, 127, 0, 42]
     got, want = logits(kept, ids), logits(dense, ids)
     assert got.shape == (len(ids), VOCAB)

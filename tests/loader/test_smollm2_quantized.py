@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.frontend.chat_template import ChatTemplate
-from ninfer.engine.layers.linear import Linear
+from ninfer.engine.layers.linear import Int4CpuMethod, Linear
 from ninfer.engine.loader import load_model
 from ninfer.engine.models.base import ForwardBatch
 from ninfer.engine.request import Request
@@ -60,6 +60,8 @@ def test_every_matrix_is_held_quantized(models):
     # the Q8_0 embedding is tied to the head, held dense (layers/embedding.py)
     assert kept.model.embed_tokens.table is None
     assert projections[0].method.packed0.dtype == torch.uint8
+    for layer in kept.model.layers:  # q/k/v and gate/up each one int4 product
+        assert isinstance(layer.self_attn._fused, Int4CpuMethod) and isinstance(layer.mlp._fused, Int4CpuMethod)
     quantized_bytes = sum(b.numel() * b.element_size() for m in projections for b in m.method.buffers())
     dense_bytes = sum(m.weight.numel() * 4 for m in models["dense"].modules() if isinstance(m, Linear))
     assert quantized_bytes < dense_bytes / 6  # the packed projections against their fp32 weights
