@@ -158,6 +158,33 @@ def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
     return Int4CpuMethod.from_groups(w)
 
 
+QUANTIZE_GROUPS = (128, 64, 32)  # columns per group of weights quantized at load: the first that divides
+
+
+def quantize_rtn(w: torch.Tensor, bits: int) -> GroupQuantized | None:
+    """A dense ``[out, in]`` weight quantized by rounding to nearest: ``bits`` 4 asymmetric in
+    groups of 128 columns (64 or 32 where 128 does not divide them: SmolLM2's 576), ``value =
+    scale * q + min``, q in 0..15; ``bits`` 8 symmetric per output row (``value = scale * q``, q in
+    -127..127; the row's scale repeated over its groups). None where no group size divides the
+    columns."""
+    w = w.float()
+    out, cols = w.shape
+    group = next((g for g in QUANTIZE_GROUPS if cols % g == 0), 0)
+    if group == 0:
+        return None
+    if bits == 4:
+        g = w.view(out, cols // group, group)
+        low, high = g.amin(-1), g.amax(-1)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return GroupQuantized(q.view(out, cols), scale, low, group, 4, "int4")
+    if bits == 8:
+        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return GroupQuantized(q, scale[:, None].expand(out, cols // group).contiguous(), None, group, 8, "int8")
+    raise ValueError(f"{bits}-bit weights are not supported (4 or 8)")
+
+
 def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
     """One method for projections of the same input, outputs concatenated in order; None where
     their kinds or groups differ, or a part before the last is not whole packed blocks."""
