@@ -2,7 +2,7 @@
 
 ``Linear`` is ``nn.Linear`` whose weight may be held quantized instead: a ``GroupQuantized``
 weight (integers with a scale and an offset per group of input columns, as a GGUF file stores
-Q4_0 / Q4_1 / Q8_0) is placed with ``Linear.take_quantized``, which swaps the dense parameter
+Q4_0 / Q4_1 / Q4_K / Q8_0) is placed with ``Linear.take_quantized``, which swaps the dense parameter
 for a ``LinearMethod``: a module that owns the packed form of the weight and whose
 ``forward(x)`` is ``x @ weight.T``. The layers call the projection (``proj(x)``) and never look
 at which kind it holds. Projections of one input held quantized fuse like dense ones

@@ -49,5 +49,5 @@ class Checkpoint:
     source: str  # path it was read from
     skipped_prefixes: tuple[str, ...] = ()  # weight groups recognised and not loaded (mtp., visual.)
     # the same tensors with those of formats that stay quantized on the CPU as ``GroupQuantized``
-    # (a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices); None when the checkpoint has none
+    # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices); None when the checkpoint has none
     quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None

@@ -33,6 +33,24 @@ def test_blocks_read_as_gguf_dequantizes_them(gguf_writer, qtype):
     assert (g.dequantize() - torch.from_numpy(w)).abs().max() < 0.5  # it is the weight, quantized
 
 
+def random_q4_k(rows: int, cols: int) -> np.ndarray:
+    """Q4_K blocks of random scales, minimums and nibbles (gguf has no Q4_K quantizer), with
+    finite fp16 ``d`` and ``dmin``."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(0.001, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:4] = rng.uniform(0.001, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def test_q4_k_blocks_read_as_gguf_dequantizes_them(gguf_writer):
+    path = gguf_writer([("blk.0.ffn_up.weight", random_q4_k(32, 512), Q.Q4_K)])
+    tensor = open_gguf(path).tensors[0]
+    g = group_quantized(tensor)
+    assert tuple(g.shape) == (32, 512) and g.group == 32 and g.bits == 4 and g.kind == "Q4_K"
+    assert torch.equal(g.dequantize(), torch.from_numpy(dequantize(tensor.data, Q.Q4_K)))
+
+
 def test_rows_the_cpu_kernel_cannot_take_are_dequantized(gguf_writer):
     w = np.ones((24, 64), np.float32)
     path = gguf_writer([("blk.0.ffn_up.weight", quantize(w, Q.Q8_0), Q.Q8_0)])
