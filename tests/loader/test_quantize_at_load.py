@@ -10,7 +10,7 @@ from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.layers.linear import Int4CpuMethod, Linear, quantize_rtn
 from ninfer.engine.loader import load_checkpoint, load_model
 from ninfer.engine.models.base import ForwardBatch
-from support.tiny import save_tokenizer
+from support.tiny import save_tiny_qwen3_5, save_tokenizer
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -92,3 +92,20 @@ def test_quantized_at_load_is_refused_off_the_cpu(tiny_qwen):
         EngineConfig(device="cuda", weights="int4")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model(tiny_qwen, "cuda", torch.bfloat16, "int8")
+
+
+def test_moe_shared_expert_quantized_at_load(tmp_path):
+    """The MoE experts stay dense; the shared expert's projections are quantized and run on their
+    own (never folded into the experts' kernels). The tiny MoE's routing flips under any rounding,
+    so the shared expert is compared as a module, and the whole model only runs."""
+    ckpt = load_checkpoint(save_tiny_qwen3_5(tmp_path / "moe", moe=True))
+    dense = load_model(ckpt, "cpu", torch.float32, "dense")
+    quant = load_model(ckpt, "cpu", torch.float32, "int8")
+    moe, ref = quant.model.layers[0].mlp, dense.model.layers[0].mlp
+    assert moe.shared_expert.gate_proj.quantized and not moe._shared_folded
+    assert not isinstance(moe.experts, Linear)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert relative_error(moe.shared_expert(x), ref.shared_expert(x)) < 0.02
+    got = logits(quant, list(range(3, 30)))
+    assert got.shape == (27, ckpt.config.vocab_size) and bool(torch.isfinite(got).all())
