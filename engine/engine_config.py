@@ -10,6 +10,12 @@ from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 
 # fla-core's chunked Gated DeltaNet keeps one [K, V] state per head for every chunk of this many tokens
 GDN_CHUNK = 64
+# how weights are held (``loader.load_model``): "auto" as the checkpoint stores them, a GGUF
+# file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices kept quantized on the CPU (``layers/linear.py``), every
+# other tensor in ``dtype``; "dense" every tensor dequantized to ``dtype``; "int8" / "int4" the
+# projections quantized at load (per-row int8, int4 in groups of 128), on the CPU
+WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
+QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
 
 
 @dataclass
@@ -39,6 +45,7 @@ class EngineConfig:
     overlap: bool | None = None
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    weights: str = "auto"  # one of WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +62,9 @@ class EngineConfig:
             ("prefix_checkpoints", self.prefix_checkpoints is None or 0 <= self.prefix_checkpoints <= 1024,
              "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
+            ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
+            ("weights", self.weights not in QUANTIZED_AT_LOAD or self.device == "cpu",
+             "runs on the CPU only so far (quantized kernels for the GPU are not there yet)"),
         ]
         for name, ok, why in checks:
             if not ok:

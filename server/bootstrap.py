@@ -156,6 +156,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         progress_anchor=args.progress_anchor,
         device=device,
         dtype=dtype,
+        weights=args.weights,
     )
 
 
@@ -191,7 +192,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
 def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
-    return LLMEngine(load_model(ckpt, config.device, config.dtype), tokenizer, config)
+    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights), tokenizer, config)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.engine_config import WEIGHT_FORMATS
 from .workers import DEFAULT_THREADS
 
 log = logging.getLogger("ninfer.server")
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per request, prompt + output (default: the model's, at most 32768)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="how weights are held: auto (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices kept quantized on "
+                        "the CPU, the rest in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
+                        "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")
     p.add_argument("--max-batched-tokens", type=int, default=None,

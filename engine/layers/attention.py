@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_linear import NormFusedInput, decode_linear, fuse_linears, split_linear
+from .fused_linear import NormFusedInput, fuse_linears, split_linear
+from .linear import Linear
 from .norm import RMSNorm
 from .paged_attention import paged_decode_attention
 from .prefill_attention import prefill_attention
@@ -101,12 +102,12 @@ class Attention(NormFusedInput, nn.Module):
         self.scale = head_dim**-0.5
         self.rotary = rotary
         q_out = num_heads * head_dim * (2 if gated else 1)
-        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self._sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self._fused: torch.Tensor | None = None  # concatenated q/k/v weight (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated q/k/v (fuse_projections)
         if qk_norm is not None:
             zero_centered = qk_norm == "zero_centered"
             self.q_norm = RMSNorm(head_dim, eps, zero_centered)
@@ -183,7 +184,7 @@ class Attention(NormFusedInput, nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
-        return decode_linear(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
     def fuse_projections(self) -> bool:
         self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])

@@ -1,17 +1,55 @@
-"""Token embedding and the output head (its own weight, or tied to the embedding)."""
+"""Token embedding and the output head (its own weight, or tied to the embedding).
+
+A quantized embedding table (``take_quantized``, ``linear.py``) stays quantized and a lookup
+dequantizes only its rows. The head's weight is always held dense, dequantized at load: sampling
+reads its logits as they are, and the int4 matmul rounds its outputs to bf16 (a step of 0.125 at
+a logit of 25), which turned the embedded model's greedy answer to the README's question from
+"The capital ..." into "L'Étoile ..." (a 0.08 margin); a table tied to the head is held dense
+with it.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from .fused_linear import decode_linear
+from .linear import GroupQuantized, check_shape
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be held quantized: a lookup dequantizes its rows, exactly
+    as the format defines them, into the model's dtype. A table a head is tied to
+    (``ties_head``) is dequantized at load instead."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.table: GroupQuantized | None = None
+        self.ties_head = False  # a tied LMHead reads this table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            return super().forward(ids)
+        rows = self.table.dequantize(rows=ids.reshape(-1))
+        return rows.to(self._dtype).view(*ids.shape, self.embedding_dim)
+
+    def take_quantized(self, name: str, w: GroupQuantized) -> None:
+        check_shape(name, w, self.weight.shape)
+        if self.ties_head:
+            with torch.no_grad():
+                self.weight.copy_(w.dequantize())
+            return
+        self.table = w
+        self._dtype = self.weight.dtype
+        del self.weight
+        self.register_parameter("weight", None)
 
 
 class LMHead(nn.Module):
     """Logits for hidden states: ``hidden @ weight.T`` in the weights' dtype, returned as fp32.
 
     With ``tied_to`` the head owns no parameter and reads the embedding's weight, so a tied model
-    has one ``[vocab, hidden]`` tensor (under ``model.embed_tokens.weight``).
+    has one ``[vocab, hidden]`` tensor (under ``model.embed_tokens.weight``). A quantized weight is
+    dequantized at load (see above).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tied_to: nn.Embedding | None = None) -> None:
@@ -23,6 +61,7 @@ class LMHead(nn.Module):
             if tuple(tied_to.weight.shape) != (vocab_size, hidden_size):
                 raise ValueError(f"tied embedding has shape {tuple(tied_to.weight.shape)}")
             self._embedding = [tied_to]  # in a list: not registered as a submodule a second time
+            tied_to.ties_head = True
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -31,3 +70,8 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.lm_weight
         return decode_linear(hidden.to(w.dtype), w).float()
+
+    def take_quantized(self, name: str, w: GroupQuantized) -> None:
+        check_shape(name, w, self.weight.shape)
+        with torch.no_grad():
+            self.weight.copy_(w.dequantize())

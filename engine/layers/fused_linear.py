@@ -67,12 +67,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
-                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor | nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(norm(residual + x), weight), residual + x)`` for the pre-norm block's
     ``norm`` (an ``RMSNorm``) and a bias-free projection. At the shapes of the launch
     settings' ``norm_gemv_shape_tiles`` the add + norm ride in the Triton GEMV, one launch
     (``gemv_triton.norm_gemv_triton``); elsewhere ``norm(x, residual)`` then ``decode_linear``.
-    Shapes and dtypes decide, never values, so a captured graph keeps the choice."""
+    Shapes and dtypes decide, never values, so a captured graph keeps the choice. A fused
+    quantized projection (a linear method, ``linear.py``) takes the norm's output."""
+    if not isinstance(weight, torch.Tensor):
+        hidden, residual = norm(x, residual)
+        return weight(hidden), residual
     if (on_triton(x) and x.dim() == 2 and x.dtype == weight.dtype == residual.dtype
             and weight.dim() == 2 and weight.is_contiguous()):
         tiles = launch.current().norm_gemv_shape_tiles.get((x.shape[0], weight.shape[0], weight.shape[1]))
@@ -101,10 +105,17 @@ class NormFusedInput:
         return self._from_projections(*proj.split(self._sizes, dim=-1), batch), residual
 
 
-def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
-    """The concatenated ``[sum(out), in]`` weight, or None when a module has a bias."""
+def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | nn.Module | None:
+    """The concatenated ``[sum(out), in]`` weight, or None when a module has a bias. Modules
+    holding their weights quantized (``linear.Linear.method``) give one method of them all
+    (``linear.fuse_methods``), or None where some are dense or their kinds differ."""
     if any(lin.bias is not None for lin in linears):
         return None
+    methods = [getattr(lin, "method", None) for lin in linears]
+    if any(m is not None for m in methods):
+        from .linear import fuse_methods
+
+        return None if None in methods else fuse_methods(methods)
     fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     offset = 0
     for lin in linears:
@@ -139,7 +150,10 @@ def by_row_blocks(fn, x: torch.Tensor, width: int) -> torch.Tensor:
 SPLIT_ROWS = 2048
 
 
-def split_linear(x: torch.Tensor, fused: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+def split_linear(x: torch.Tensor, fused: torch.Tensor | nn.Module, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """The parts of a fused projection: a dense weight, or a linear method (``linear.py``)."""
+    if not isinstance(fused, torch.Tensor):
+        return fused(x).split(sizes, dim=-1)
     if x.shape[0] <= SPLIT_ROWS:
         return decode_linear(x, fused).split(sizes, dim=-1)
     return tuple(F.linear(x, w) for w in fused.split(sizes, dim=0))

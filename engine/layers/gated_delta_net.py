@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_linear
-from .fused_linear import NormFusedInput, decode_linear, fuse_linears, split_linear
+from .fused_linear import NormFusedInput, fuse_linears, split_linear
+from .linear import Linear
 from .triton_switch import on_triton
 from .gdn_ops import (
     causal_conv1d,
@@ -93,18 +94,18 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         # the fused input projection's parts: qkv, z, b, a
         self._sizes = [self.conv_dim, self.value_dim, num_v_heads, num_v_heads]
         self._make_projections(hidden_size)
-        self._fused: torch.Tensor | None = None  # concatenated input projections (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated input projections (fuse_projections)
         self.conv1d = _DepthwiseConv(self.conv_dim, conv_kernel)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
 
     def _make_projections(self, hidden_size: int) -> None:
-        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, self.num_v_heads, bias=False)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[N, hidden]`` -> qkv ``[N, conv_dim]`` (flat [Q | K | V]), z ``[N, value_dim]``,
@@ -153,7 +154,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
     def _from_projections(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
         """A step of decode rows only (one token per row) from the input projections -> ``[N, hidden]``."""
-        return decode_linear(self._decode_rows(qkv, z, b, a, batch.step), self.out_proj.weight)
+        return self.out_proj(self._decode_rows(qkv, z, b, a, batch.step))
 
     def _decode_rows(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      meta) -> torch.Tensor:
@@ -193,7 +194,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
         t = n - d
         parts.append(self.norm(o.to(z.dtype), z[d:].view(t, self.num_v_heads, self.head_v_dim)).reshape(t, self.value_dim))
-        return decode_linear(parts[0] if len(parts) == 1 else torch.cat(parts), self.out_proj.weight)
+        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token and value head: the decay ``g`` (log space) and the write strength ``beta``."""
@@ -293,8 +294,8 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     """Qwen3-Next layout: fused ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head."""
 
     def _make_projections(self, hidden_size: int) -> None:
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
     def fuse_projections(self) -> bool:
         """Kept apart: ``project`` regroups the per-key-head rows, so one GEMM would save nothing."""

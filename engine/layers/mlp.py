@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_linear import by_row_blocks, decode_linear, fuse_linears, split_linear
+from .fused_linear import by_row_blocks, fuse_linears, split_linear
+from .linear import Linear
 
 
 class GatedMLP(nn.Module):
@@ -13,11 +14,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self._sizes = [intermediate_size, intermediate_size]
-        self._fused: torch.Tensor | None = None  # concatenated gate/up weight (fuse_projections)
+        self._fused: torch.Tensor | nn.Module | None = None  # concatenated gate/up (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """On row blocks for a long prompt chunk: the gate/up output is the widest tensor of a
@@ -28,10 +29,8 @@ class GatedMLP(nn.Module):
         if self._fused is not None:
             h = silu_mul(*split_linear(x, self._fused, self._sizes))
         else:
-            # through decode_linear like the fused projection (the GEMV where gemv_tiles picks it)
-            h = silu_mul(decode_linear(x, self.gate_proj.weight, self.gate_proj.bias),
-                         decode_linear(x, self.up_proj.weight, self.up_proj.bias))
-        return decode_linear(h, self.down_proj.weight, self.down_proj.bias)
+            h = silu_mul(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(h)
 
     def fuse_projections(self) -> bool:
         if self._fused is None:

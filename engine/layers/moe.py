@@ -106,8 +106,9 @@ class SparseMoeBlock(nn.Module):
         if self._shared_folded:
             return True
         if shared is None or shared.down_proj.bias is not None or \
+                any(getattr(p, "method", None) is not None for p in (shared.gate_proj, shared.up_proj, shared.down_proj)) or \
                 shared.down_proj.weight.shape[1] != self.experts.intermediate_size:
-            return False
+            return False  # (a shared expert held quantized, ``linear.py``, runs on its own)
         shared.fuse_projections()
         self._router = fuse_linears([self.gate, self.shared_expert_gate])
         self._shared_folded = self._router is not None and shared._fused is not None

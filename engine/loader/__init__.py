@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -37,17 +38,57 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
     raise FileNotFoundError(f"model path {p} does not exist")
 
 
-def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
+def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
+               weights: str = "auto") -> CausalLM:
+    """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
+    (``engine_config.WEIGHT_FORMATS``): with "auto" on the CPU a checkpoint's quantized matrices
+    stay quantized (``Checkpoint.quantized_weights``); "int8" / "int4" quantize the projections
+    at load (``quantized_at_load``)."""
+    from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if weights in QUANTIZED_AT_LOAD and not on_cpu:
+        raise ValueError(f"weights {weights} runs on the CPU only so far (quantized kernels for the GPU "
+                         "are not there yet)")
     start = time.perf_counter()
     model = build_model(ckpt.config, dtype=dtype, device=device)
-    model.load_weights(ckpt.weights())
+    keep = weights == "auto" and on_cpu and ckpt.quantized_weights is not None
+    if weights in QUANTIZED_AT_LOAD:
+        keep = True
+        tensors = quantized_at_load(model, ckpt.weights(), QUANTIZED_AT_LOAD[weights])
+    else:
+        tensors = ckpt.quantized_weights() if keep else ckpt.weights()
+    model.load_weights(tensors)
     model.eval()
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" or keep:
+        # on the CPU only a checkpoint held quantized: one int4 product for q/k/v, one for gate/up
         from ..layers.fused_linear import fuse_model_projections
 
         fuse_model_projections(model)
-    log.info("loaded %s (%s) on %s as %s in %.1f s", ckpt.source, ckpt.config.model_type, device,
-             str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    log.info("loaded %s (%s) on %s as %s (weights %s) in %.1f s", ckpt.source, ckpt.config.model_type, device,
+             str(dtype).removeprefix("torch."), weights, time.perf_counter() - start)
     return model
+
+
+def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]],
+                      bits: int) -> Iterator[tuple[str, Any]]:
+    """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
+    ``bits`` (``linear.quantize_rtn``) where the CPU int4 matmul takes its shape; every other
+    tensor (norms, embeddings, the LM head, routers, MoE experts) as it is."""
+    from ..layers.linear import Linear, cpu_method_fits, quantize_rtn
+
+    for name, tensor in weights:
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            module = None
+        if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
+            q = quantize_rtn(tensor, bits)
+            if q is not None and cpu_method_fits(q):
+                yield name, q
+                continue
+        yield name, tensor

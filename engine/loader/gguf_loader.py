@@ -5,6 +5,10 @@ handles F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants and the IQ types). GG
 in reverse order, and llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` within
 each head from HF's rotate-half layout to interleaved pairs; both are undone here, so the model
 sees exactly what a Hugging Face checkpoint would give it.
+
+``Checkpoint.quantized_weights()`` gives the same tensors with the Q4_0, Q4_1, Q4_K and Q8_0 matrices
+kept quantized (``gguf_quant.py``) where the CPU's int4 matmul takes their shape, for the layers'
+linear methods (``layers/linear.py``); the others are dequantised as above.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from ..config import ModelConfig, UnsupportedModelError
+from ..layers.linear import GroupQuantized, cpu_method_fits
 from .checkpoint import Checkpoint, GenerationDefaults
+from .gguf_quant import KEPT_QUANTIZED, group_quantized
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
@@ -96,7 +102,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rotary(w: torch.Tensor | GroupQuantized, n_heads: int) -> torch.Tensor | GroupQuantized:
     """Rows of a q/k projection (weight or bias) from llama.cpp's interleaved-pair order back to HF's.
 
     Within each head, GGUF row ``2*i + j`` holds HF row ``j * head_dim/2 + i`` (``i`` the rotary
@@ -108,7 +114,7 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     half = rows // n_heads // 2
     # HF row r takes GGUF row order[r]; index_select is far faster than a strided copy here
     order = torch.arange(rows).reshape(n_heads, half, 2).transpose(1, 2).reshape(-1)
-    return w.index_select(0, order)
+    return w.select_rows(order) if isinstance(w, GroupQuantized) else w.index_select(0, order)
 
 
 def tensor_to_torch(tensor: ReaderTensor) -> torch.Tensor:
@@ -136,13 +142,26 @@ def tensor_to_torch(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(array.reshape(shape))
 
 
-def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, fp32 tensor)`` for every model tensor, dequantised one at a time."""
+def kept_quantized(tensor: ReaderTensor) -> GroupQuantized | None:
+    """``tensor`` as a ``GroupQuantized`` matrix when its format is kept quantized and the CPU
+    int4 matmul takes its shape, else None (it is dequantised)."""
+    if GGMLQuantizationType(tensor.tensor_type) not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+        return None
+    weight = group_quantized(tensor)
+    return weight if cpu_method_fits(weight) else None
+
+
+def iter_weights(reader: GGUFReader, config: ModelConfig,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """``(HF name, fp32 tensor)`` for every model tensor, dequantised one at a time; with
+    ``keep_quantized`` the matrices ``kept_quantized`` takes come as ``GroupQuantized``."""
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue  # rope_freqs: already in the config
-        weight = tensor_to_torch(tensor)
+        weight = kept_quantized(tensor) if keep_quantized else None
+        if weight is None:
+            weight = tensor_to_torch(tensor)
         if ".self_attn.q_proj." in name:
             weight = unpermute_rotary(weight, config.num_attention_heads)
         elif ".self_attn.k_proj." in name:
@@ -291,6 +310,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(
         config=config,
         weights=lambda: iter_weights(reader, config),
+        quantized_weights=lambda: iter_weights(reader, config, keep_quantized=True),
         tokenizer=tokenizer,
         chat_template=template if isinstance(template, str) else None,
         generation=generation_defaults(meta),

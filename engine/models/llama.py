@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import Attention
-from ..layers.embedding import LMHead
+from ..layers.embedding import Embedding, LMHead
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -54,7 +54,7 @@ class DecoderStack(PreNormStack):
     def __init__(self, config: ModelConfig, qk_norm: str | None) -> None:
         super().__init__()
         rotary = RotaryEmbedding.from_config(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, rotary, qk_norm) for i in range(config.num_hidden_layers)
         )

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import Attention
-from ..layers.embedding import LMHead
+from ..layers.embedding import Embedding, LMHead
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoeBlock, fuse_expert_weights
@@ -98,7 +98,7 @@ class HybridDecoderStack(PreNormStack):
     def __init__(self, config: ModelConfig, gdn_class: type[GatedDeltaNet], norm_topk_prob: bool) -> None:
         super().__init__()
         rotary = RotaryEmbedding.from_config(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(config, i, rotary, gdn_class, norm_topk_prob)
             for i in range(config.num_hidden_layers)

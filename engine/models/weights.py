@@ -6,6 +6,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from ..layers.linear import GroupQuantized
+
 
 def load_parameters(
     module: nn.Module,
@@ -18,6 +20,10 @@ def load_parameters(
     a tensor given twice, and at the end for parameters that were never given. Names for which
     ``skip(name)`` is true are ignored (e.g. ``lm_head.weight`` in a tied checkpoint). Parameters
     shared between modules count once, under their first name.
+
+    A ``GroupQuantized`` tensor goes to its module's ``take_quantized`` (``layers/linear.py``),
+    which keeps it quantized in place of the dense parameter; a module without one (a norm, a
+    router) refuses it by name.
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -32,6 +38,10 @@ def load_parameters(
                 )
             if name in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} given twice")
+            if isinstance(tensor, GroupQuantized):
+                _place_quantized(module, name, tensor)
+                loaded.add(name)
+                continue
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
@@ -43,3 +53,13 @@ def load_parameters(
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing parameters: {shown}")
+
+
+def _place_quantized(module: nn.Module, name: str, tensor: GroupQuantized) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    take = getattr(owner, "take_quantized", None)
+    if attr != "weight" or take is None:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.kind}-quantized, and "
+                         f"{type(owner).__name__} takes only dense weights")
+    take(name, tensor)

@@ -1,0 +1,114 @@
+"""The embedded SmolLM2 (Q4_1 matrices, a Q8_0 tied embedding) kept quantized on the CPU against its
+dequantized load: every projection held quantized, the same perplexity on a long English text, and the
+same answer to the README's question at temperature 0."""
+from __future__ import annotations
+
+import importlib.metadata
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer.engine.engine import LLMEngine
+from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.frontend.chat_template import ChatTemplate
+from ninfer.engine.layers.linear import Int4CpuMethod, Linear
+from ninfer.engine.loader import load_model
+from ninfer.engine.models.base import ForwardBatch
+from ninfer.engine.request import Request
+from ninfer.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TEXT_TOKENS = 4096  # tokens scored
+WINDOW = 1024  # each scored with the tokens before it in its window as context
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def english_text() -> str:
+    """numpy's license file (numpy is always installed: the loader reads GGUF through it), about
+    47K characters of English, the GPL among them."""
+    files = importlib.metadata.distribution("numpy").files or []
+    paths = sorted((f for f in files if f.name == "LICENSE.txt" and "dist-info" in str(f)), key=lambda f: len(str(f)))
+    if not paths:
+        pytest.skip("numpy's LICENSE.txt is not installed")
+    return paths[0].read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def models(smollm2):
+    return {w: load_model(smollm2, "cpu", torch.float32, w) for w in ("auto", "dense")}
+
+
+@torch.no_grad()
+def perplexity(model, ids: list[int]) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, WINDOW):
+        window = ids[start : start + WINDOW + 1]
+        hidden = model(torch.tensor(window[:-1]), ForwardBatch.single(len(window) - 1, model.new_cache()))
+        logits = model.compute_logits(hidden)
+        nll += F.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum").item()
+        count += len(window) - 1
+    return math.exp(nll / count)
+
+
+def test_every_matrix_is_held_quantized(models):
+    kept = models["auto"]
+    projections = [m for m in kept.modules() if isinstance(m, Linear)]
+    assert len(projections) == 7 * 30 and all(m.quantized for m in projections)
+    # the Q8_0 embedding is tied to the head, held dense (layers/embedding.py)
+    assert kept.model.embed_tokens.table is None
+    assert projections[0].method.packed0.dtype == torch.uint8
+    for layer in kept.model.layers:  # q/k/v and gate/up each one int4 product
+        assert isinstance(layer.self_attn._fused, Int4CpuMethod) and isinstance(layer.mlp._fused, Int4CpuMethod)
+    quantized_bytes = sum(b.numel() * b.element_size() for m in projections for b in m.method.buffers())
+    dense_bytes = sum(m.weight.numel() * 4 for m in models["dense"].modules() if isinstance(m, Linear))
+    assert quantized_bytes < dense_bytes / 6  # the packed projections against their fp32 weights
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2) -> list[int]:
+    ids = smollm2.tokenizer.encode(english_text())
+    assert len(ids) > TEXT_TOKENS
+    return ids[: TEXT_TOKENS + 1]
+
+
+@pytest.fixture(scope="module")
+def dense_perplexity(models, text_ids) -> float:
+    ppl = perplexity(models["dense"], text_ids)
+    assert ppl < 30, ppl  # a trained model reading English
+    return ppl
+
+
+def test_perplexity_kept_quantized_equals_dequantized(models, text_ids, dense_perplexity):
+    kept = perplexity(models["auto"], text_ids)
+    assert abs(kept - dense_perplexity) / dense_perplexity < 0.001, (kept, dense_perplexity)
+
+
+def test_perplexity_int8_at_load(smollm2, text_ids, dense_perplexity):
+    """``--weights int8`` on the dequantized weights: per-row int8 within 0.5% of the dense
+    perplexity."""
+    model = load_model(smollm2, "cpu", torch.float32, "int8")
+    assert all(m.quantized for m in model.modules() if isinstance(m, Linear))
+    ppl = perplexity(model, text_ids)
+    assert abs(ppl - dense_perplexity) / dense_perplexity < 0.005, (ppl, dense_perplexity)
+
+
+def answer(model, smollm2) -> str:
+    tok = smollm2.tokenizer
+    prompt = ChatTemplate(smollm2.chat_template, tok.bos_token or "", tok.eos_token or "").render(QUESTION)
+    engine = LLMEngine(model, tok, EngineConfig(max_context=512, max_concurrency=1))
+    eos = frozenset(smollm2.generation.eos_token_ids)
+    engine.add_request(Request("q", tok.encode(prompt), SamplingParams(temperature=0.0, max_tokens=48),
+                               max_total_tokens=512, eos_ids=eos))
+    text = []
+    while engine.has_work:
+        text += [out.text for out in engine.step()]
+    return "".join(text)
+
+
+def test_readme_question_has_the_same_answer(smollm2, models):
+    kept, dense = answer(models["auto"], smollm2), answer(models["dense"], smollm2)
+    assert "Paris" in dense
+    assert kept == dense
