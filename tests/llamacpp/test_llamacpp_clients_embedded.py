@@ -1,5 +1,5 @@
 """The requests llama.cpp's own server tests send for model names, ``/completions``, ``/infill``,
-CORS, ``response_fields``, token and batch prompts and embeddings, against a real
+CORS, ``response_fields``, token and batch prompts, ``n_probs``, ``logit_bias`` and embeddings, against a real
 ``ninfer-serve`` as the README starts it (the embedded SmolLM2, default flags)."""
 from __future__ import annotations
 
@@ -116,3 +116,29 @@ def test_llamacpp_embeddings(http):
     pooled = http.post("/embedding", json={"content": ["hello", "world"]}).json()
     assert [p["index"] for p in pooled] == [0, 1] and len(pooled[0]["embedding"]) == 1
     assert abs(math.fsum(x * x for x in pooled[0]["embedding"][0]) - 1) < 1e-3
+
+
+def test_n_probs_and_post_sampling_probs(http):
+    body = http.post("/completion", json={"prompt": PROMPT, "n_predict": 5, "n_probs": 10, "temperature": 0,
+                                          "ignore_eos": True}).json()
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5 and [p["id"] for p in probs] == body["tokens"]
+    for p in probs:
+        assert p["logprob"] <= 0 and len(p["top_logprobs"]) == 10
+        top = [t["logprob"] for t in p["top_logprobs"]]
+        assert top == sorted(top, reverse=True) and p["top_logprobs"][0]["id"] == p["id"]  # greedy: the best
+    body = http.post("/completion", json={"prompt": PROMPT, "n_predict": 5, "n_probs": 10, "temperature": 1.0,
+                                          "top_k": 5, "seed": 3, "post_sampling_probs": True, "ignore_eos": True}).json()
+    for p in body["completion_probabilities"]:
+        assert 0 < p["prob"] <= 1 and len(p["top_probs"]) <= 5  # top_k left five candidates at most
+        assert math.isclose(sum(t["prob"] for t in p["top_probs"]), 1.0, rel_tol=1e-3)
+
+
+def test_logit_bias_forms(http):
+    ask = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True}
+    first = http.post("/completion", json=ask).json()["tokens"][0]
+    for bias in ([[first, False]], {str(first): -100}, [[first, -100.0]]):
+        tokens = http.post("/completion", json={**ask, "logit_bias": bias}).json()["tokens"]
+        assert first not in tokens, bias
+    favoured = http.post("/completion", json={**ask, "logit_bias": [[" Paris", 100]]}).json()
+    assert favoured["content"].startswith(" Paris")  # a token given as its text
