@@ -25,9 +25,13 @@ def prompt_ids(state: ServerState, parts: PromptParts, param: str, framed: bool 
     """The ids of one prompt given as texts and token ids in order (each text tokenized apart).
     ``framed``: a prompt that is one text gets the special tokens the tokenizer puts around an
     input of its own (``Tokenizer.encode_alone``: embeddings)."""
-    check_context_floor(state, sum(state.tokenizer.min_tokens(p) if isinstance(p, str) else 1 for p in parts), param)
+    texts = [p for p in parts if isinstance(p, str)]
+    check_context_floor(state, sum(state.tokenizer.min_tokens(p) for p in texts) + len(parts) - len(texts), param)
     ids: list[int] = []
-    for i, part in enumerate(parts):
+    if not texts:  # token ids only (a returning conversation's long prompt): checked in one pass
+        check_token_ids(state, parts, param)
+        ids = list(parts)
+    for i, part in enumerate(parts if texts else ()):
         if isinstance(part, str):
             ids += state.tokenizer.encode_alone(part) if framed and len(parts) == 1 else state.tokenizer.encode(part)
         else:
