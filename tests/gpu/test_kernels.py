@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
-                                  check_norm_gemv, rel_err)
+                                  check_int4_gemv, check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -197,3 +197,10 @@ def test_moe_down_all_slots_vs_slot_loop(tokens):
     loop = mt.moe_down_triton(h, w, shared, ids, wts, {"ALL_SLOTS": False})
     tile = mt.moe_down_triton(h, w, shared, ids, wts, {"ALL_SLOTS": True, "BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 4})
     assert rel_err(tile, loop) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 2048, 32), (37, 384, 128)])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int4_gemv(m, n, k, group, with_offset):
+    check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2)

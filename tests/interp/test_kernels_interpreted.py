@@ -7,7 +7,7 @@ import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
-                                  check_norm_gemv, check_prefill_attention, rel_err)
+                                  check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -232,3 +232,17 @@ def test_moe_down_both_forms(tiles):
         experts = torch.cat([w, shared[None]])[ids.long()]  # [n, k + 1, hid, inter]
         ref = torch.einsum("nshi,nsi->nsh", experts, h.view(n, k + 1, inter)).mul(wts[..., None]).sum(1)
         assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 256, 32, None),  # ragged last row block
+    (3, 16, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}),  # ragged K chunk, M padded to 4
+    (8, 9, 96, 32, {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 2}),
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int4_gemv(m, n, k, group, tiles, with_offset):
+    check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, tiles, 1e-5)
+    from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, pack_int4
+
+    with pytest.raises(ValueError):  # scales of another group size
+        int4_gemv_triton(torch.randn(1, 64), pack_int4(torch.zeros(4, 64)), torch.ones(4, 4).half(), None, 32)
