@@ -1,7 +1,7 @@
 """Constrained decoding: a request's output held to a grammar, token by token.
 
 A ``GrammarSpec`` (what the API asked for: any JSON object, a JSON schema, a regular expression,
-a choice of strings, an EBNF / GBNF grammar) travels in the request's ``SamplingParams``; the
+a choice of strings, an EBNF / GBNF grammar, tool calls held to their schemas) travels in the request's ``SamplingParams``; the
 server checks it when the request comes in (``GrammarSpec.check``: a bad schema is the client's
 400, not a failed request). In the engine, ``Grammars`` compiles it against the vocabulary on a
 thread of its own (xgrammar, which keeps compiled grammars by their source: a schema sent again
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-KINDS = ("json", "json_schema", "regex", "choice", "ebnf")
+KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -40,7 +40,8 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """What a request's output must match. ``kind``: ``json`` (any JSON object), ``json_schema``
     (``source``: the schema as JSON text), ``regex``, ``choice`` (``source``: a JSON list of
-    the strings allowed), ``ebnf`` (GBNF, llama.cpp's grammar syntax; the rule ``root`` starts).
+    the strings allowed), ``ebnf`` (GBNF, llama.cpp's grammar syntax; the rule ``root`` starts),
+    ``structural_tag`` (an xgrammar structural tag as JSON text: tool calls, ``tool_grammar.py``).
     ``param``: the request field it came from, for errors."""
 
     kind: str
@@ -90,6 +91,8 @@ def grammar(spec: GrammarSpec) -> Any:
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.source)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.source)
         return xgr.Grammar.from_ebnf(spec.ebnf() if spec.kind == "choice" else spec.source)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError subclasses
         raise GrammarError(spec.param, f"{spec.param} cannot be compiled: {_first_line(exc)}") from None
@@ -151,6 +154,8 @@ class Grammars:
                 return compiler.compile_json_schema(spec.source, any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.source)
             return compiler.compile_grammar(spec.ebnf() if spec.kind == "choice" else spec.source)
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(spec.param, f"{spec.param} cannot be compiled: {_first_line(exc)}") from None

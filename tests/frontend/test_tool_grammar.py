@@ -1,0 +1,94 @@
+"""The grammar of held tool calls: what it lets through parses (``tool_parser``) into calls whose
+arguments validate, and what would not is refused."""
+from __future__ import annotations
+
+import jsonschema
+import pytest
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+from ninfer.engine.frontend.tool_grammar import tool_call_grammar
+from ninfer.engine.frontend.tool_parser import ToolSpec, parse_tool_calls
+from ninfer.engine.grammar import GrammarError, grammar
+
+WEATHER = ToolSpec("get_weather", {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "where": {"$ref": "#/$defs/Point"},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    },
+    "required": ["city", "unit"],
+    "$defs": {"Point": {"type": "object", "properties": {"lat": {"type": "number"}, "name": {
+        "type": "string", "maxLength": 4}}, "required": ["lat"]}},
+})
+NOOP = ToolSpec("noop", None)
+TOOLS = [WEATHER, NOOP]
+
+
+def call(name: str, *params: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+GOOD = call("get_weather", ("city", "Paris"), ("unit", '"c"'))
+FULL = call("get_weather", ("city", "Oslo & more"), ("unit", '"f"'), ("days", "3"), ("where", '{"lat": 1.5, "name": "x"}'),
+            ("note", "a <b> c"))
+
+
+def check_parsed(text: str) -> None:
+    content, calls = parse_tool_calls(text, TOOLS)
+    assert content == "" and calls
+    for c in calls:
+        schema = {t.name: t.parameters for t in TOOLS}[c.name] or {"type": "object"}
+        jsonschema.validate(c.arguments_dict, schema)
+
+
+@pytest.mark.parametrize("text", [GOOD, FULL, call("noop"), GOOD + "\n" + call("noop")])
+def test_a_forced_answer_is_calls_that_parse_and_validate(text):
+    g = grammar(tool_call_grammar(TOOLS, forced=True, parallel=True))
+    assert accepts(g, text)
+    check_parsed(text)
+
+
+@pytest.mark.parametrize("text", [
+    "",  # no call
+    "Sure. " + GOOD,  # text before the call
+    call("get_weather", ("city", "Paris")),  # a required parameter left out
+    call("get_weather", ("unit", '"c"'), ("city", "Paris")),  # out of the schema's order
+    call("get_weather", ("city", "Paris"), ("unit", '"k"')),  # not in the enum
+    call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("days", "9")),  # past the maximum
+    call("get_weather", ("city", "Paris, France!"), ("unit", '"c"')),  # longer than maxLength
+    call("get_weather", ("city", "a</parameter>"), ("unit", '"c"')),  # would end the value early
+    call("get_weather", ("city", "<parameter=x>"), ("unit", '"c"')),  # would nest a parameter
+    call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("where", '{"name": "x"}')),  # nested required
+    call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("where", '{"lat": 1, "name": "abcde"}')),
+    call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("zone", "1")),  # undeclared parameter
+    call("other"),  # not a callable function
+    call("noop", ("x", "1")),  # noop declares no parameters
+])
+def test_a_forced_answer_refuses_what_would_not_validate(text):
+    assert not accepts(grammar(tool_call_grammar(TOOLS, forced=True, parallel=True)), text)
+
+
+def test_parallel_false_allows_one_call():
+    g = grammar(tool_call_grammar(TOOLS, forced=True, parallel=False))
+    assert accepts(g, GOOD) and not accepts(g, GOOD + "\n" + call("noop"))
+
+
+def test_strict_under_auto_leaves_text_free_and_holds_calls():
+    g = grammar(tool_call_grammar(TOOLS, forced=False, parallel=True, strict=["get_weather"]))
+    assert accepts(g, "It is sunny.")
+    assert accepts(g, "Let me look. " + GOOD)
+    assert not accepts(g, "Let me look. " + call("get_weather", ("city", "Paris")))
+    # a function that is not strict takes any parameters
+    assert accepts(g, "x " + call("noop", ("anything", "goes")))
+    check_parsed(GOOD)
+
+
+def test_a_top_level_union_cannot_be_held():
+    tool = ToolSpec("u", {"anyOf": [{"type": "object"}, {"type": "null"}]})
+    with pytest.raises(GrammarError) as caught:
+        tool_call_grammar([tool], forced=True, parallel=True, params={"u": "tools[0].function"})
+    assert caught.value.param == "tools[0].function.parameters"
