@@ -92,3 +92,44 @@ def test_a_top_level_union_cannot_be_held():
     with pytest.raises(GrammarError) as caught:
         tool_call_grammar([tool], forced=True, parallel=True, params={"u": "tools[0].function"})
     assert caught.value.param == "tools[0].function.parameters"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from ninfer.engine.loader import load_checkpoint
+    from support.tiny import save_tiny_llama
+
+    return load_checkpoint(save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny")).tokenizer
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_strict_calls_drawn_through_the_mask_parse_and_validate(tiny_tokenizer, seed):
+    """Under ``auto`` with a strict function: text that opens a call, then random logits masked
+    token by token (a model that knows nothing), always ends in a call whose arguments validate."""
+    import torch
+
+    from ninfer.engine.grammar import Grammars, constrain
+
+    tok, eos = tiny_tokenizer, 2
+    tools = [WEATHER]
+    grammars = Grammars(tok, tok.vocab_size)
+    spec = tool_call_grammar(tools, forced=False, parallel=False, strict=["get_weather"])
+    state = grammars.matcher(grammars.compile(spec).result(), [eos], True)
+    ids = tok.encode(f"Let me look. <tool_call>\n<function={WEATHER.name}>\n")
+    for t in ids:
+        state.accept(t)
+    assert not state.failed
+    gen = torch.Generator().manual_seed(seed)
+    while len(ids) < 400:
+        logits = torch.randn(1, tok.vocab_size, generator=gen) * 3
+        constrain(logits, [state])
+        token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen))
+        if token == eos:
+            break
+        state.accept(token)
+        ids.append(token)
+    grammars.close()
+    text = tok.decode(ids)
+    content, calls = parse_tool_calls(text, tools)
+    assert content.startswith("Let me look.") and len(calls) == 1, text
+    jsonschema.validate(calls[0].arguments_dict, WEATHER.parameters)
