@@ -1,9 +1,10 @@
 """Agent frameworks' own clients against a real ``ninfer-serve`` on the embedded model: the OpenAI
 Agents SDK (Responses API, a default strict function tool, and one forced by ``tool_choice``) and
-LangChain's ``ChatOpenAI`` (Chat Completions and Responses). The small model may answer poorly; what counts is that each completes its turn with
-what it sends by default. Server flags bound the time, as none of them sets a limit: greedy
-decoding (``--temperature 0``) ends these short answers well within ``--default-max-tokens``; the
-Agents SDK takes a response cut at its token limit for a failure."""
+LangChain's ``ChatOpenAI`` (Chat Completions and Responses). The small model may answer poorly;
+what counts is that each completes its turn with what it sends by default. Server flags bound the
+time, as none of them sets a limit: greedy decoding (``--temperature 0``) ends these short answers
+well within ``--default-max-tokens``; the Agents SDK takes a response cut at its token limit for a
+failure."""
 from __future__ import annotations
 
 import json

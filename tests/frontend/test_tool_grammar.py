@@ -33,8 +33,8 @@ def call(name: str, *params: tuple[str, str]) -> str:
 
 
 GOOD = call("get_weather", ("city", "Paris"), ("unit", '"c"'))
-FULL = call("get_weather", ("city", "Oslo & more"), ("unit", '"f"'), ("days", "3"), ("where", '{"lat": 1.5, "name": "x"}'),
-            ("note", "a <b> c"))
+FULL = call("get_weather", ("city", "Oslo & more"), ("unit", '"f"'), ("days", "3"),
+            ("where", '{"lat": 1.5, "name": "x"}'), ("note", "a <b> c"))
 
 
 def check_parsed(text: str) -> None:
