@@ -1,15 +1,16 @@
 """Constrained decoding: a request's output held to a grammar, token by token.
 
-A ``GrammarSpec`` (what the API asked for: any JSON object, a JSON schema, a regular expression,
-a choice of strings, an EBNF / GBNF grammar, tool calls held to their schemas) travels in the
+A ``GrammarSpec`` (what the API asked for: any JSON object, a JSON schema, a regular expression, a
+choice of strings, an EBNF / GBNF grammar, tool calls held to their schemas) travels in the
 request's ``SamplingParams``; the server checks it when the request comes in
 (``GrammarSpec.check``: a bad schema is the client's 400, not a failed request). In the engine,
-``Grammars`` compiles it against the vocabulary on a thread of its own (xgrammar, which keeps compiled grammars by their source: a schema sent again
-costs nothing), so a slow schema never holds a step; the request joins the scheduler when its
-grammar is ready. Each constrained request holds a ``GrammarState`` (its matcher): before a token
-is drawn the matcher writes the row's allowed ids as a bitmask, which is applied to the logits
-on the device (``constrain``), and every committed token moves it on. Output that starts inside a
-reasoning block is free until the block closes; the grammar holds from the token after.
+``Grammars`` compiles it against the vocabulary on a thread of its own (xgrammar, which keeps
+compiled grammars by their source: a schema sent again costs nothing), so a slow schema never holds
+a step; the request joins the scheduler when its grammar is ready. Each constrained request holds a
+``GrammarState`` (its matcher): before a token is drawn the matcher writes the row's allowed ids as
+a bitmask, which is applied to the logits on the device (``constrain``), and every committed token
+moves it on. Output that starts inside a reasoning block is free until the block closes; the
+grammar holds from the token after.
 
 xgrammar was measured against llguidance on the Qwen vocabulary (``python -m bench.grammar``): a
 mask and a step of the matcher in 10 us a token against 26, a compiled schema cached by the
