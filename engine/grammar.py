@@ -26,7 +26,11 @@ from typing import Any, Sequence
 
 import torch
 
+from .frontend.tool_parser import CALL_CLOSE, CALL_OPEN
+
 KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+# added tokens a grammar may write, as the text they stand for (the output parser reads it)
+WRITTEN_MARKERS = frozenset([CALL_OPEN, CALL_CLOSE])
 
 
 class GrammarError(ValueError):
@@ -164,13 +168,16 @@ class Grammars:
     def _vocabulary(self) -> Any:
         """The compiler over the tokenizer's vocabulary, built on first use (a third of a second
         for Qwen's 248K ids): every id as the bytes it stands for, control tokens (``<|im_end|>``,
-        ``<think>``) as none, so no grammar lets them be written as text."""
+        ``<think>``) as none, so no grammar lets them be written as text; but the tool-call tags
+        (``WRITTEN_MARKERS``), one token each in Qwen's vocabulary, stand for their text, so that
+        a grammar of calls lets the model write them as it was trained to, not spelled in pieces."""
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
                 tok = self.tokenizer
-                control = {i for s in tok.control_strings() if (i := tok.token_to_id(s)) is not None}
+                control = {i for s in tok.control_strings() if s not in WRITTEN_MARKERS
+                           and (i := tok.token_to_id(s)) is not None}
                 known = min(tok.vocab_size, self.vocab_size)
                 raw = [b"" if i in control else tok.token_bytes(i) for i in range(known)]
                 raw += [b""] * (self.vocab_size - known)

@@ -111,7 +111,9 @@ def test_strict_calls_drawn_through_the_mask_parse_and_validate(tiny_tokenizer, 
     from ninfer.engine.grammar import Grammars, constrain
 
     tok, eos = tiny_tokenizer, 2
-    tools = [WEATHER]
+    bounded = {k: v for k, v in WEATHER.parameters["properties"].items() if k != "note"}  # note: any length
+    weather = ToolSpec(WEATHER.name, {**WEATHER.parameters, "properties": bounded})
+    tools = [weather]
     grammars = Grammars(tok, tok.vocab_size)
     spec = tool_call_grammar(tools, forced=False, parallel=False, strict=["get_weather"])
     state = grammars.matcher(grammars.compile(spec).result(), [eos], True)
@@ -132,4 +134,45 @@ def test_strict_calls_drawn_through_the_mask_parse_and_validate(tiny_tokenizer, 
     text = tok.decode(ids)
     content, calls = parse_tool_calls(text, tools)
     assert content.startswith("Let me look.") and len(calls) == 1, text
-    jsonschema.validate(calls[0].arguments_dict, WEATHER.parameters)
+    jsonschema.validate(calls[0].arguments_dict, weather.parameters)
+
+
+def test_the_call_tags_are_written_as_their_own_tokens(tmp_path):
+    """Where ``<tool_call>`` and ``</tool_call>`` are added tokens (Qwen's vocabulary), a grammar
+    of calls lets the model write them as those tokens, and the calls still parse; other added
+    tokens stay unwritable."""
+    import torch
+
+    from ninfer.engine.grammar import Grammars, constrain
+    from ninfer.engine.loader import load_checkpoint
+    from support.tiny import save_tiny_qwen3
+
+    tok = load_checkpoint(save_tiny_qwen3(tmp_path / "t", special=["<tool_call>", "</tool_call>", "<think>"])).tokenizer
+    open_id, close_id, think_id = (tok.token_to_id(s) for s in ("<tool_call>", "</tool_call>", "<think>"))
+    grammars = Grammars(tok, tok.vocab_size)
+    clock = ToolSpec("get_time", {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
+                                                                  "hours": {"type": "integer", "maximum": 99}}})
+    state = grammars.matcher(grammars.compile(tool_call_grammar([clock], forced=True, parallel=False)).result(),
+                             [2], True)
+    logits = torch.zeros(1, tok.vocab_size)
+    constrain(logits, [state])
+    assert logits[0, open_id] == 0 and logits[0, think_id] == float("-inf")
+    ids, gen = [], torch.Generator().manual_seed(0)
+    while len(ids) < 400:
+        logits = torch.randn(1, tok.vocab_size, generator=gen) * 3
+        # where a trained model writes the tags, it writes these tokens
+        if not ids:
+            logits[0, open_id] += 50
+        if tok.decode(ids).endswith("</function>\n"):
+            logits[0, close_id] += 50
+        constrain(logits, [state])
+        token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen))
+        if token == 2:
+            break
+        state.accept(token)
+        ids.append(token)
+    grammars.close()
+    assert ids[0] == open_id and ids[-1] == close_id and not state.failed
+    content, calls = parse_tool_calls(tok.decode(ids), [clock])
+    assert content == "" and len(calls) == 1
+    jsonschema.validate(calls[0].arguments_dict, clock.parameters)
