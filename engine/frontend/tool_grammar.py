@@ -2,7 +2,7 @@
 
 A forced choice (``tool_choice`` ``required`` or a named function; Anthropic ``any`` / ``tool``)
 makes the answer one call, or several separated by a newline when parallel calls are allowed,
-and nothing else. Strict functions under ``auto`` leave the answer free until it opens a
+and nothing else (but up to two newlines before, as a model writes after closing its reasoning). Strict functions under ``auto`` leave the answer free until it opens a
 ``<tool_call>``; from there it must be a whole call to a callable function.
 
 A call is written the way the chat template writes one and ``tool_parser`` reads it::
@@ -49,9 +49,10 @@ def tool_call_grammar(tools: Sequence[ToolSpec], *, forced: bool, parallel: bool
         raise GrammarError(param, f"{param} needs at least one callable function")
     held = {t.name for t in tools} if forced else set(strict)
     tags = [_call_tag(t, t.name in held, (params or {}).get(t.name, "tools")) for t in tools]
-    if forced:
-        fmt: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
-                               "at_least_one": True, "stop_after_first": not parallel}
+    if forced:  # after up to two newlines (those a model writes after closing its reasoning)
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
+                 "at_least_one": True, "stop_after_first": not parallel}
+        fmt: dict[str, Any] = {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\n{0,2}"}, calls]}
     else:
         fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags, "stop_after_first": not parallel}
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), param)

@@ -45,7 +45,7 @@ def check_parsed(text: str) -> None:
         jsonschema.validate(c.arguments_dict, schema)
 
 
-@pytest.mark.parametrize("text", [GOOD, FULL, call("noop"), GOOD + "\n" + call("noop")])
+@pytest.mark.parametrize("text", [GOOD, FULL, call("noop"), GOOD + "\n" + call("noop"), "\n\n" + GOOD])
 def test_a_forced_answer_is_calls_that_parse_and_validate(text):
     g = grammar(tool_call_grammar(TOOLS, forced=True, parallel=True))
     assert accepts(g, text)
@@ -55,6 +55,7 @@ def test_a_forced_answer_is_calls_that_parse_and_validate(text):
 @pytest.mark.parametrize("text", [
     "",  # no call
     "Sure. " + GOOD,  # text before the call
+    "\n\n\n" + GOOD,  # more than the blank line after reasoning
     call("get_weather", ("city", "Paris")),  # a required parameter left out
     call("get_weather", ("unit", '"c"'), ("city", "Paris")),  # out of the schema's order
     call("get_weather", ("city", "Paris"), ("unit", '"k"')),  # not in the enum

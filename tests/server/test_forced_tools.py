@@ -2,8 +2,9 @@
 ``anthropic`` SDKs: ``tool_choice`` ``required`` and a named function (Chat, Responses), ``any``
 and ``tool`` (Anthropic Messages) always answer with calls to an allowed function whose arguments
 validate against its schema, aggregate and streamed; strict functions under ``auto`` hold every
-call the model starts. The model is random: the grammar alone makes the calls. Its strings and
-numbers are bounded, as one does for a model this small."""
+call the model starts; after a reasoning block (a tiny Qwen3 on the Qwen3.5 template) the reasoning
+stays free and the call follows it. The model is random: the grammar alone makes the calls. Its
+strings and numbers are bounded, as one does for a model this small."""
 from __future__ import annotations
 
 import json
@@ -161,3 +162,38 @@ def test_messages_forced_choice_always_calls_with_valid_input(claude, stream, ch
             msg = claude.messages.create(**body)
         assert msg.stop_reason == "tool_use"
         check_calls([(b.name, b.input) for b in msg.content if b.type == "tool_use"], allowed, single=True)
+
+
+# ---------------------------------------------------------------------------- after reasoning
+@pytest.fixture(scope="module")
+def thinking_client(tmp_path_factory):
+    """A tiny Qwen3 whose vocabulary has the reasoning and tool-call tags as tokens, served with
+    the Qwen3.5 chat template: its output starts inside a reasoning block."""
+    from pathlib import Path
+
+    from support.tiny import save_tiny_qwen3
+
+    path = save_tiny_qwen3(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3",
+                           special=["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    template = Path(__file__).resolve().parents[2] / "engine" / "frontend" / "templates" / "qwen3_5.jinja"
+    state, loop = build_state(build_parser().parse_args([str(path), "--max-context", "2048", "--temperature", "1",
+                                                         "--chat-template", str(template)]))
+    loop.start()
+    with LiveServer(create_app(state)) as live:
+        yield openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    loop.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["aggregate", "streamed"])
+def test_reasoning_stays_free_and_the_call_follows_it(thinking_client, stream):
+    """The thinking budget closes the model's (random) reasoning; the forced call comes after."""
+    for seed in SEEDS:
+        kw = {"tool_choice": "required", "seed": seed, "parallel_tool_calls": False,
+              "extra_body": {"enable_thinking": True, "thinking_budget": 16}}
+        calls, reason = chat_calls(thinking_client, stream, **kw)
+        check_calls(calls, {"get_weather", "get_time"}, single=True)
+        assert reason == "tool_calls"
+    r = thinking_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                                tools=CHAT_TOOLS, max_tokens=300, **kw)
+    assert r.choices[0].message.model_extra["reasoning_content"]  # the reasoning came back apart
+    assert r.usage.completion_tokens_details.reasoning_tokens > 16
