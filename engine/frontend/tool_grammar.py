@@ -80,8 +80,11 @@ def _parameters(schema: Mapping[str, Any] | None, param: str) -> list[dict[str, 
                                f"its top level uses '{key}'; declare an object with 'properties'")
     if schema.get("type", "object") != "object":
         raise GrammarError(f"{param}.parameters", f"{param}.parameters must be an object schema")
-    props = schema.get("properties") or {}
-    required = [k for k in schema.get("required") or [] if isinstance(k, str)]
+    props, required = schema.get("properties") or {}, schema.get("required") or []
+    if not isinstance(props, Mapping) or not isinstance(required, list):
+        raise GrammarError(f"{param}.parameters", f"{param}.parameters: 'properties' must be an object and "
+                           "'required' a list")
+    required = [k for k in required if isinstance(k, str)]
     extra = schema.get("additionalProperties")
     names = list(props) + [k for k in required if k not in props]
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # for '#/$defs/...' inside values

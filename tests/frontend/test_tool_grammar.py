@@ -177,3 +177,11 @@ def test_the_call_tags_are_written_as_their_own_tokens(tmp_path):
     content, calls = parse_tool_calls(tok.decode(ids), [clock])
     assert content == "" and len(calls) == 1
     jsonschema.validate(calls[0].arguments_dict, clock.parameters)
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "properties": ["a"]}, {"type": "object", "required": "a"},
+                                    {"type": "array"}, {"type": "object", "properties": {"a<": {}}}])
+def test_parameters_that_cannot_be_written_are_the_clients_error(schema):
+    with pytest.raises(GrammarError) as caught:
+        tool_call_grammar([ToolSpec("f", schema)], forced=True, parallel=True, params={"f": "tools[0]"})
+    assert caught.value.param == "tools[0].parameters"
