@@ -1,10 +1,10 @@
 """Structured outputs as users ask for them, against a real ``ninfer-serve`` on the embedded model:
 the ``openai`` SDK's ``chat.completions.parse()`` and ``responses.parse()`` with a pydantic model
 (nested objects, enums, arrays, optional fields), LangChain's ``with_structured_output`` (a
-response format, and a forced strict tool call), and the
-llama.cpp dialect's ``json_schema`` and GBNF ``grammar``. The model is small and the prompts are
-varied; the grammar is what makes every answer parse. The model bounds its strings, numbers and lists, as
-one does for a model this small: unbounded, it may write a string until the token limit."""
+response format, and a forced strict tool call), and the llama.cpp dialect's ``json_schema`` and
+GBNF ``grammar``. The model is small and the prompts are varied; the grammar is what makes every
+answer parse. The model bounds its strings, numbers and lists, as one does for a model this small:
+unbounded, it may write a string until the token limit."""
 from __future__ import annotations
 
 import asyncio
