@@ -62,11 +62,11 @@ class ToolUse:
             return output
         if output is not None:
             why = "a forced tool call" if self.forced else "strict function tools"
-            raise invalid(output.param, f"{output.param} cannot constrain an answer that {why} also constrain; "
+            raise invalid(output.param, f"{output.param} and {why} cannot both constrain one answer; "
                           "one output constraint per request")
         try:
             spec = tool_call_grammar([t.spec for t in self.tools], forced=self.forced, parallel=self.parallel,
-                                     strict=strict, params={t.name: t.param for t in self.tools},
+                                     strict=strict, params={t.name: t.schema_param for t in self.tools},
                                      param="tool_choice" if self.forced else "tools")
             spec.check()
         except GrammarError as exc:
@@ -76,11 +76,10 @@ class ToolUse:
 
 def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool | None,
                    allowed_names: Callable[[dict], tuple[list[str], bool]],
-                   named: Callable[[dict], str | None]) -> ToolUse:
+                   named: Callable[[dict], str]) -> ToolUse:
     """What ``tool_choice`` lets the model call. ``allowed_names`` reads an ``allowed_tools``
     choice in its API family's shape and returns the names it allows and whether its mode is
-    ``required``; ``named`` reads the function name of a choice that names one (None: the
-    choice names no function)."""
+    ``required``; ``named`` reads the function name of a choice that names one."""
     forced = False
     if choice is None or choice == "auto":
         allowed = list(tools)
@@ -202,7 +201,7 @@ class FunctionTool:
     namespace: str | None = None
     public_name: str | None = None  # the name in the API when it differs from ``name``
     strict: bool = False  # its calls' arguments are held to ``parameters``
-    param: str = "tools"  # the request field that declares it
+    schema_param: str = "tools"  # the request field of ``parameters``, for errors
 
     @property
     def spec(self) -> ToolSpec:
@@ -242,7 +241,7 @@ def function_tool(fn: Any, param: str, *, name: str | None = None, namespace: st
     if extra_description:
         shown["description"] = f"{extra_description}\n{description}" if description else extra_description
     return FunctionTool(engine_name, {"type": "function", "function": shown}, parameters, namespace,
-                        public if engine_name != public else None, strict is True, param)
+                        public if engine_name != public else None, strict is True, f"{param}.parameters")
 
 
 def unique_names(tools: Sequence[FunctionTool], param: str) -> None:

@@ -22,7 +22,8 @@ alternatives of its schema), anything else is JSON. No value may contain ``<para
 ``</parameter>``, which would end or nest the parameter for the parser; a string with a length
 bound (which xgrammar does not apply beside such exclusions) is held to it by a pattern that
 leaves out ``<`` (and, in JSON, quotes, backslashes and control characters). A function that is
-callable but not strict takes any parameter text. The grammar is an xgrammar structural tag
+callable but not strict takes any parameter text. JSON values have at most one blank between
+their tokens (a weak model given room for whitespace may write only that). The grammar is an xgrammar structural tag
 (``GrammarSpec`` kind ``structural_tag``).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def tool_call_grammar(tools: Sequence[ToolSpec], *, forced: bool, parallel: bool
     """The grammar of an answer that calls ``tools`` (the callable ones, in order). ``forced``:
     the answer is the call(s) only; else free text in which any call is held. ``parallel``:
     more than one call. ``strict``: the names whose arguments are held to their schemas (every
-    tool when ``forced``); ``params``: each tool's request field, for errors."""
+    tool when ``forced``); ``params``: the request field of each tool's parameters, for errors."""
     if not tools:
         raise GrammarError(param, f"{param} needs at least one callable function")
     held = {t.name for t in tools} if forced else set(strict)
@@ -76,13 +77,13 @@ def _parameters(schema: Mapping[str, Any] | None, param: str) -> list[dict[str, 
         return []
     for key in ("anyOf", "oneOf", "allOf", "$ref", "not", "if"):
         if key in schema:
-            raise GrammarError(f"{param}.parameters", f"{param}.parameters cannot be held to a tool call: "
+            raise GrammarError(param, f"{param} cannot be held to a tool call: "
                                f"its top level uses '{key}'; declare an object with 'properties'")
     if schema.get("type", "object") != "object":
-        raise GrammarError(f"{param}.parameters", f"{param}.parameters must be an object schema")
+        raise GrammarError(param, f"{param} must be an object schema")
     props, required = schema.get("properties") or {}, schema.get("required") or []
     if not isinstance(props, Mapping) or not isinstance(required, list):
-        raise GrammarError(f"{param}.parameters", f"{param}.parameters: 'properties' must be an object and "
+        raise GrammarError(param, f"{param}: 'properties' must be an object and "
                            "'required' a list")
     required = [k for k in required if isinstance(k, str)]
     extra = schema.get("additionalProperties")
@@ -91,7 +92,7 @@ def _parameters(schema: Mapping[str, Any] | None, param: str) -> list[dict[str, 
     out = []
     for key in names:
         if any(c in key for c in "<>\n"):
-            raise GrammarError(f"{param}.parameters", f"property {key!r} cannot be written as a parameter")
+            raise GrammarError(param, f"property {key!r} cannot be written as a parameter")
         sub = props.get(key, extra if isinstance(extra, Mapping) else {})
         if not isinstance(sub, Mapping):
             sub = {} if sub is not False else {"not": {}}
@@ -108,7 +109,7 @@ def _value(schema: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]
         return {"type": "json_schema", "json_schema": _bounded({**_string_part(schema), **defs}, "[^<]"),
                 "style": "qwen_xml", "excludes": _EXCLUDED}
     return {"type": "json_schema", "json_schema": _bounded({**schema, **defs}, r'[^<"\\\x00-\x1f]'),
-            "style": "json", "excludes": _EXCLUDED}
+            "style": "json", "excludes": _EXCLUDED, "max_whitespace_cnt": 1}
 
 
 def _bounded(node: Any, char: str) -> Any:

@@ -208,6 +208,7 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
               "strict": tool.get("strict"), "defer_loading": tool.get("defer_loading"),
               "allowed_callers": tool.get("allowed_callers")}
         out.append(function_tool(fn, param))
+        out[-1].schema_param = f"{param}.input_schema"
     unique_names(out, "tools")
     return out
 

@@ -268,7 +268,7 @@ def check_tool_history(req: ChatCompletionRequest) -> None:
                               "tool call arguments must be a JSON object")
 
 
-def _named(choice: dict) -> str | None:
+def _named(choice: dict) -> str:
     """The name in a Chat ``{"type": "function", "function": {"name"}}`` choice."""
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None

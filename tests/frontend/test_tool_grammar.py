@@ -66,6 +66,7 @@ def test_a_forced_answer_is_calls_that_parse_and_validate(text):
     call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("where", '{"name": "x"}')),  # nested required
     call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("where", '{"lat": 1, "name": "abcde"}')),
     call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("zone", "1")),  # undeclared parameter
+    call("get_weather", ("city", "Paris"), ("unit", '"c"'), ("where", '{"lat":  1}')),  # two blanks in JSON
     call("other"),  # not a callable function
     call("noop", ("x", "1")),  # noop declares no parameters
 ])
@@ -91,7 +92,7 @@ def test_strict_under_auto_leaves_text_free_and_holds_calls():
 def test_a_top_level_union_cannot_be_held():
     tool = ToolSpec("u", {"anyOf": [{"type": "object"}, {"type": "null"}]})
     with pytest.raises(GrammarError) as caught:
-        tool_call_grammar([tool], forced=True, parallel=True, params={"u": "tools[0].function"})
+        tool_call_grammar([tool], forced=True, parallel=True, params={"u": "tools[0].function.parameters"})
     assert caught.value.param == "tools[0].function.parameters"
 
 
@@ -183,5 +184,5 @@ def test_the_call_tags_are_written_as_their_own_tokens(tmp_path):
                                     {"type": "array"}, {"type": "object", "properties": {"a<": {}}}])
 def test_parameters_that_cannot_be_written_are_the_clients_error(schema):
     with pytest.raises(GrammarError) as caught:
-        tool_call_grammar([ToolSpec("f", schema)], forced=True, parallel=True, params={"f": "tools[0]"})
+        tool_call_grammar([ToolSpec("f", schema)], forced=True, parallel=True, params={"f": "tools[0].parameters"})
     assert caught.value.param == "tools[0].parameters"

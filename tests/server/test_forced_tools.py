@@ -22,7 +22,7 @@ from support.tiny import save_tiny_llama
 
 MODEL = "tiny-llama"
 WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12},
+    "city": {"type": "string", "pattern": "[A-Za-z ]{1,12}", "maxLength": 12},
     "unit": {"enum": ["celsius", "fahrenheit"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 7},
     "detail": {"type": "object", "properties": {"hourly": {"type": "boolean"}, "hours": {
