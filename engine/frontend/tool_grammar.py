@@ -1,9 +1,10 @@
 """Tool calls held to their schemas: the grammar of calls ``tool_parser`` reads back.
 
 A forced choice (``tool_choice`` ``required`` or a named function; Anthropic ``any`` / ``tool``)
-makes the answer one call, or several separated by a newline when parallel calls are allowed,
-and nothing else (but up to two newlines before, as a model writes after closing its reasoning). Strict functions under ``auto`` leave the answer free until it opens a
-``<tool_call>``; from there it must be a whole call to a callable function.
+makes the answer one call, or several separated by a newline when parallel calls are allowed, and
+nothing else (but up to two newlines before, as a model writes after closing its reasoning). Strict
+functions under ``auto`` leave the answer free until it opens a ``<tool_call>``; from there it must
+be a whole call to a callable function.
 
 A call is written the way the chat template writes one and ``tool_parser`` reads it::
 
@@ -15,16 +16,17 @@ A call is written the way the chat template writes one and ``tool_parser`` reads
     </function>
     </tool_call>
 
-Parameters come in the schema's property order, the required ones always and the others
-optionally. A value is held to its property schema in the form ``convert_parameter`` turns back
-into that value: a parameter that declares a string type is raw text (narrowed to the string
-alternatives of its schema), anything else is JSON. No value may contain ``<parameter=`` or
-``</parameter>``, which would end or nest the parameter for the parser; a string with a length
-bound (which xgrammar does not apply beside such exclusions) is held to it by a pattern that
-leaves out ``<`` (and, in JSON, quotes, backslashes and control characters). A function that is
-callable but not strict takes any parameter text. JSON values have at most one blank between
-their tokens (a weak model given room for whitespace may write only that). The grammar is an xgrammar structural tag
-(``GrammarSpec`` kind ``structural_tag``).
+Parameters come in the schema's property order, the required ones always and the others optionally.
+A value is held to its property schema in the form ``convert_parameter`` turns back into that
+value: a parameter that declares a string type is raw text (narrowed to the string alternatives of
+its schema), anything else is JSON. No value may contain ``<parameter=`` or ``</parameter>``, which
+would end or nest the parameter for the parser; a string with a length bound (which xgrammar does
+not apply beside such exclusions) is held to it by a pattern that leaves out ``<`` and the UTF-16
+surrogates (which xgrammar reads as characters, though their bytes decode to three replacement
+characters each), and in JSON quotes, backslashes and control characters. A function that is
+callable but not strict takes any parameter text. JSON values have at most one blank between their
+tokens (a weak model given room for whitespace may write only that). The grammar is an xgrammar
+structural tag (``GrammarSpec`` kind ``structural_tag``).
 """
 from __future__ import annotations
 
@@ -106,9 +108,10 @@ def _value(schema: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]
     """A value held to ``schema`` in the form the parser converts back (module docstring)."""
     types = declared_types(schema)
     if types is not None and "string" in types:
-        return {"type": "json_schema", "json_schema": _bounded({**_string_part(schema), **defs}, "[^<]"),
+        text = _bounded({**_string_part(schema), **defs}, r"[^<\ud800-\udfff]")
+        return {"type": "json_schema", "json_schema": text,
                 "style": "qwen_xml", "excludes": _EXCLUDED}
-    return {"type": "json_schema", "json_schema": _bounded({**schema, **defs}, r'[^<"\\\x00-\x1f]'),
+    return {"type": "json_schema", "json_schema": _bounded({**schema, **defs}, r'[^<"\\\x00-\x1f\ud800-\udfff]'),
             "style": "json", "excludes": _EXCLUDED, "max_whitespace_cnt": 1}
 
 
