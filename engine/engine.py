@@ -298,6 +298,7 @@ class LLMEngine:
         first, text, pending = len(req.output_ids), "", [token]
         # one per committed token when the request asks: the sampled token's, then forced ones'
         logprobs = None if params.logprobs is None else [logprob or TokenLogprob(token, 0.0)]
+        sampled = True
         while pending:  # the sampled token, then any that the thinking budget forces after it
             token = pending.pop(0)
             req.output_ids.append(token)
@@ -307,9 +308,11 @@ class LLMEngine:
             pending += thinking.account(req, token)
             if req.grammar is not None:
                 if req.grammar.active:
-                    req.grammar.accept(token)
+                    if sampled:  # what the budget forces after the close (its blank lines) is the close's
+                        req.grammar.accept(token)
                 elif req.thinking is not None and not req.thinking.open:
-                    req.grammar.active = True  # the grammar holds from the token after the close
+                    req.grammar.active = True  # the grammar holds from the first token drawn after the close
+            sampled = False
             out = None
             if (token in req.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 out = self._finish(req, FinishReason.STOP, token, text + processor.flush())

@@ -1,15 +1,16 @@
 """Constrained decoding: a request's output held to a grammar, token by token.
 
-A ``GrammarSpec`` (what the API asked for: any JSON object, a JSON schema, a regular expression,
-a choice of strings, an EBNF / GBNF grammar) travels in the request's ``SamplingParams``; the
-server checks it when the request comes in (``GrammarSpec.check``: a bad schema is the client's
-400, not a failed request). In the engine, ``Grammars`` compiles it against the vocabulary on a
-thread of its own (xgrammar, which keeps compiled grammars by their source: a schema sent again
-costs nothing), so a slow schema never holds a step; the request joins the scheduler when its
-grammar is ready. Each constrained request holds a ``GrammarState`` (its matcher): before a token
-is drawn the matcher writes the row's allowed ids as a bitmask, which is applied to the logits
-on the device (``constrain``), and every committed token moves it on. Output that starts inside a
-reasoning block is free until the block closes; the grammar holds from the token after.
+A ``GrammarSpec`` (what the API asked for: any JSON object, a JSON schema, a regular expression, a
+choice of strings, an EBNF / GBNF grammar, tool calls held to their schemas) travels in the
+request's ``SamplingParams``; the server checks it when the request comes in
+(``GrammarSpec.check``: a bad schema is the client's 400, not a failed request). In the engine,
+``Grammars`` compiles it against the vocabulary on a thread of its own (xgrammar, which keeps
+compiled grammars by their source: a schema sent again costs nothing), so a slow schema never holds
+a step; the request joins the scheduler when its grammar is ready. Each constrained request holds a
+``GrammarState`` (its matcher): before a token is drawn the matcher writes the row's allowed ids as
+a bitmask, which is applied to the logits on the device (``constrain``), and every committed token
+moves it on. Output that starts inside a reasoning block is free until the block closes; the
+grammar holds from the token after.
 
 xgrammar was measured against llguidance on the Qwen vocabulary (``python -m bench.grammar``): a
 mask and a step of the matcher in 10 us a token against 26, a compiled schema cached by the
@@ -25,7 +26,11 @@ from typing import Any, Sequence
 
 import torch
 
-KINDS = ("json", "json_schema", "regex", "choice", "ebnf")
+from .frontend.tool_parser import CALL_CLOSE, CALL_OPEN
+
+KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+# added tokens a grammar may write, as the text they stand for (the output parser reads it)
+WRITTEN_MARKERS = frozenset([CALL_OPEN, CALL_CLOSE])
 
 
 class GrammarError(ValueError):
@@ -40,7 +45,8 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """What a request's output must match. ``kind``: ``json`` (any JSON object), ``json_schema``
     (``source``: the schema as JSON text), ``regex``, ``choice`` (``source``: a JSON list of
-    the strings allowed), ``ebnf`` (GBNF, llama.cpp's grammar syntax; the rule ``root`` starts).
+    the strings allowed), ``ebnf`` (GBNF, llama.cpp's grammar syntax; the rule ``root`` starts),
+    ``structural_tag`` (an xgrammar structural tag as JSON text: tool calls, ``tool_grammar.py``).
     ``param``: the request field it came from, for errors."""
 
     kind: str
@@ -90,6 +96,8 @@ def grammar(spec: GrammarSpec) -> Any:
             return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.source)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.source)
         return xgr.Grammar.from_ebnf(spec.ebnf() if spec.kind == "choice" else spec.source)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError subclasses
         raise GrammarError(spec.param, f"{spec.param} cannot be compiled: {_first_line(exc)}") from None
@@ -151,6 +159,8 @@ class Grammars:
                 return compiler.compile_json_schema(spec.source, any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.source)
             return compiler.compile_grammar(spec.ebnf() if spec.kind == "choice" else spec.source)
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(spec.param, f"{spec.param} cannot be compiled: {_first_line(exc)}") from None
@@ -158,13 +168,16 @@ class Grammars:
     def _vocabulary(self) -> Any:
         """The compiler over the tokenizer's vocabulary, built on first use (a third of a second
         for Qwen's 248K ids): every id as the bytes it stands for, control tokens (``<|im_end|>``,
-        ``<think>``) as none, so no grammar lets them be written as text."""
+        ``<think>``) as none, so no grammar lets them be written as text; but the tool-call tags
+        (``WRITTEN_MARKERS``), one token each in Qwen's vocabulary, stand for their text, so that
+        a grammar of calls lets the model write them as it was trained to, not spelled in pieces."""
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
                 tok = self.tokenizer
-                control = {i for s in tok.control_strings() if (i := tok.token_to_id(s)) is not None}
+                control = {i for s in tok.control_strings() if s not in WRITTEN_MARKERS
+                           and (i := tok.token_to_id(s)) is not None}
                 known = min(tok.vocab_size, self.vocab_size)
                 raw = [b"" if i in control else tok.token_bytes(i) for i in range(known)]
                 raw += [b""] * (self.vocab_size - known)

@@ -6,7 +6,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from ..engine.frontend.tool_grammar import tool_call_grammar
 from ..engine.frontend.tool_parser import ToolSpec
+from ..engine.grammar import GrammarError, GrammarSpec
 from ..engine.outputs import RequestOutput
 from .errors import APIError, invalid, unsupported
 from .state import ServerState
@@ -41,26 +43,69 @@ def check_choices(state: ServerState, n: int | None, param: str = "n") -> int:
     return n
 
 
+@dataclass
+class ToolUse:
+    """What ``tool_choice`` makes of the declared functions: ``tools``, the callable ones in
+    declaration order (rendered in the prompt and parsed from the output); ``forced``: the
+    answer must be call(s) to them; ``parallel``: more than one call may come."""
+
+    tools: list["FunctionTool"]
+    forced: bool = False
+    parallel: bool = True
+
+    def grammar(self, output: GrammarSpec | None = None) -> GrammarSpec | None:
+        """The output's grammar: the calls held to their schemas where the choice forces a call
+        or a callable function is strict, else ``output`` (the request's own format). Both at
+        once is a 400 naming the format's field."""
+        strict = [t.name for t in self.tools if t.strict]
+        if not self.tools or not (self.forced or strict):
+            return output
+        if output is not None:
+            why = "a forced tool call" if self.forced else "strict function tools"
+            raise invalid(output.param, f"{output.param} and {why} cannot both constrain one answer; "
+                          "one output constraint per request")
+        try:
+            spec = tool_call_grammar([t.spec for t in self.tools], forced=self.forced, parallel=self.parallel,
+                                     strict=strict, params={t.name: t.schema_param for t in self.tools},
+                                     param="tool_choice" if self.forced else "tools")
+            spec.check()
+        except GrammarError as exc:
+            raise invalid(exc.param, str(exc)) from None
+        return spec
+
+
 def callable_tools(tools: Sequence["FunctionTool"], choice: Any, parallel: bool | None,
-                   allowed_names: Callable[[dict], list[str]]) -> list["FunctionTool"]:
-    """The tools ``tool_choice`` lets the model call, in declaration order. ``allowed_names``
-    reads an ``allowed_tools`` choice in its API family's shape and returns the names it allows."""
+                   allowed_names: Callable[[dict], tuple[list[str], bool]],
+                   named: Callable[[dict], str]) -> ToolUse:
+    """What ``tool_choice`` lets the model call. ``allowed_names`` reads an ``allowed_tools``
+    choice in its API family's shape and returns the names it allows and whether its mode is
+    ``required``; ``named`` reads the function name of a choice that names one."""
+    forced = False
     if choice is None or choice == "auto":
         allowed = list(tools)
     elif choice == "none":
         allowed = []
     elif choice == "required":
-        raise unsupported("tool_choice", "'required' needs constrained decoding; use 'auto'")
+        allowed, forced = list(tools), True
     elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        names = allowed_names(choice)
+        names, forced = allowed_names(choice)
         allowed = [t for t in tools if t.name in names]
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = named(choice)
+        allowed, forced = [t for t in tools if t.name == name], True
+        if not allowed:
+            raise invalid("tool_choice", f"tool_choice names {name!r}, which is not a declared function")
     elif isinstance(choice, dict):
-        raise unsupported("tool_choice", "a named or hosted tool choice needs constrained decoding; use 'auto'")
+        raise unsupported("tool_choice", f"a {choice.get('type')!r} tool choice; 'auto', 'none', 'required', "
+                          "'allowed_tools' or a named function")
     else:
         raise invalid("tool_choice", f"unknown tool_choice {choice!r}")
-    if allowed and parallel is False:
-        raise unsupported("parallel_tool_calls", "false cannot be enforced while tools are callable")
-    return allowed
+    if forced and not allowed:
+        raise invalid("tool_choice", "a tool call is required but no function is declared")
+    if allowed and parallel is False and not (forced or any(t.strict for t in allowed)):
+        raise unsupported("parallel_tool_calls", "false is enforced only where calls are held to a grammar "
+                          "(a forced tool_choice or strict functions)")
+    return ToolUse(allowed, forced, parallel is not False)
 
 
 def check_model(state: ServerState, model: str | None, status: int = 400) -> str:
@@ -155,6 +200,8 @@ class FunctionTool:
     parameters: Mapping[str, Any] | None
     namespace: str | None = None
     public_name: str | None = None  # the name in the API when it differs from ``name``
+    strict: bool = False  # its calls' arguments are held to ``parameters``
+    schema_param: str = "tools"  # the request field of ``parameters``, for errors
 
     @property
     def spec(self) -> ToolSpec:
@@ -171,8 +218,9 @@ def function_tool(fn: Any, param: str, *, name: str | None = None, namespace: st
         raise invalid(f"{param}.name", "a function needs a non-empty string 'name'")
     if any(c in public for c in "<>\n"):
         raise invalid(f"{param}.name", f"function name {public!r} cannot be written in the model's call format")
-    if fn.get("strict") is True:
-        raise unsupported(f"{param}.strict", "strict schema adherence needs constrained decoding")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{param}.strict", "'strict' must be a boolean")
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise invalid(f"{param}.description", "'description' must be a string")
@@ -193,7 +241,7 @@ def function_tool(fn: Any, param: str, *, name: str | None = None, namespace: st
     if extra_description:
         shown["description"] = f"{extra_description}\n{description}" if description else extra_description
     return FunctionTool(engine_name, {"type": "function", "function": shown}, parameters, namespace,
-                        public if engine_name != public else None)
+                        public if engine_name != public else None, strict is True, f"{param}.parameters")
 
 
 def unique_names(tools: Sequence[FunctionTool], param: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import invalid, unsupported
 from ..generation import template_options
-from ..openai_common import FunctionTool, function_tool, unique_names
+from ..openai_common import FunctionTool, ToolUse, function_tool, unique_names
 from ..state import ServerState
 from . import context_edits
 from .protocol import Block, MessagesRequest, Thinking, cache_mark, message_blocks, parse_thinking, \
@@ -38,7 +38,7 @@ TOOL_ERROR_PREFIX = "[tool error] "  # how a result with is_error: true reads in
 @dataclass
 class Lowered:
     messages: list[dict[str, Any]]
-    tools: list[FunctionTool]  # callable (rendered and parsed)
+    tools: ToolUse  # the callable ones (rendered and parsed), and whether a call is forced
     options: dict[str, Any]
     thinking: Thinking
     prefill: str | None = None
@@ -51,7 +51,7 @@ def lower(req: MessagesRequest, state: ServerState) -> Lowered:
     edits = None if req.context_management is None else context_edits.parse(req.context_management)
     thinking = parse_thinking(req.thinking, req.max_tokens)
     declared = parse_tools(req.tools)
-    callable_tools = declared if parse_tool_choice(req.tool_choice) == "auto" else []
+    use = tool_use(declared, req.tool_choice)
 
     system = system_blocks(req.system)
     turns = _join_roles(req)
@@ -84,7 +84,7 @@ def lower(req: MessagesRequest, state: ServerState) -> Lowered:
 
     options = _options(state, req, thinking, prefill is not None)
     breakpoints = check_breakpoints(marks, req, turns)
-    return Lowered(messages, callable_tools, options, thinking, prefill, breakpoints, edits)
+    return Lowered(messages, use, options, thinking, prefill, breakpoints, edits)
 
 
 # ---------------------------------------------------------------------------- turns
@@ -208,8 +208,29 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
               "strict": tool.get("strict"), "defer_loading": tool.get("defer_loading"),
               "allowed_callers": tool.get("allowed_callers")}
         out.append(function_tool(fn, param))
+        out[-1].schema_param = f"{param}.input_schema"
     unique_names(out, "tools")
     return out
+
+
+def tool_use(declared: list[FunctionTool], choice: dict[str, Any] | None) -> ToolUse:
+    """What ``tool_choice`` makes of the declared tools: ``any`` forces a call to one of them,
+    ``tool`` a call to the one it names; ``disable_parallel_tool_use`` holds an answer to one
+    call, which only a forced choice or strict tools can enforce."""
+    kind, name, parallel = parse_tool_choice(choice)
+    if kind == "none":
+        return ToolUse([])
+    if kind == "tool":
+        named = [t for t in declared if t.name == name]
+        if not named:
+            raise invalid("tool_choice.name", f"tool_choice names {name!r}, which is not a declared tool")
+        return ToolUse(named, True, parallel)
+    if kind == "any" and not declared:
+        raise invalid("tool_choice.type", "tool_choice 'any' needs at least one tool")
+    if not parallel and kind == "auto" and not any(t.strict for t in declared):
+        raise unsupported("tool_choice.disable_parallel_tool_use", "a single call per turn is enforced only "
+                          "where calls are held to a grammar (tool_choice 'any' or 'tool', or strict tools)")
+    return ToolUse(declared, kind == "any", parallel)
 
 
 def declared_marks(tools: list[dict[str, Any]] | None) -> list[tuple[int, Any]]:

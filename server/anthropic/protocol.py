@@ -226,17 +226,19 @@ def parse_thinking(raw: dict[str, Any] | None, max_tokens: int | None) -> Thinki
     return Thinking("enabled", budget)
 
 
-def parse_tool_choice(raw: dict[str, Any] | None) -> str:
-    """``auto`` or ``none``; the forcing choices need constrained decoding."""
+def parse_tool_choice(raw: dict[str, Any] | None) -> tuple[str, str | None, bool]:
+    """``(type, name, parallel)``: ``auto``, ``none``, ``any`` (some call is required) or ``tool``
+    (the call to ``name`` is); ``parallel``: more than one call may come."""
     if raw is None:
-        return "auto"
+        return "auto", None, True
     kind = raw.get("type")
-    if kind in ("any", "tool"):
-        raise unsupported("tool_choice.type", f"'{kind}' forces a tool call, which needs constrained decoding; "
-                          "use 'auto'")
-    if kind not in ("auto", "none"):
+    if kind not in ("auto", "none", "any", "tool"):
         raise invalid("tool_choice.type", "tool_choice.type must be 'auto', 'none', 'any' or 'tool'")
-    if raw.get("disable_parallel_tool_use") is True and kind == "auto":
-        raise unsupported("tool_choice.disable_parallel_tool_use", "a single call per turn cannot be enforced")
-    return kind
+    name = raw.get("name")
+    if kind == "tool" and (not isinstance(name, str) or not name):
+        raise invalid("tool_choice.name", "tool_choice 'tool' needs the tool's 'name'")
+    disable = raw.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise invalid("tool_choice.disable_parallel_tool_use", "disable_parallel_tool_use must be a boolean")
+    return kind, name if kind == "tool" else None, disable is not True
 

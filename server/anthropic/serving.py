@@ -43,7 +43,7 @@ class Prompt:
 
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
-    tools = [t.template for t in low.tools]
+    tools = [t.template for t in low.tools.tools]
     ends: list[tuple[int, ...]] = []  # of each rendering; the last one's are the prompt's
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
@@ -85,11 +85,12 @@ class PreparedMessages:
         self.starts_in_reasoning, control = thinking_control(state, text, len(ids), max_tokens, low.thinking.budget,
                                                              "thinking.budget_tokens")
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            max_tokens=req.max_tokens, stop=list(req.stop_sequences or []))
+                            max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
+                            grammar=low.tools.grammar())
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
         self.keep = keep_for(state, tuple(m for m in prompt.marks if m <= len(ids)), low.options)
-        self.tools = [t.spec for t in low.tools]
+        self.tools = [t.spec for t in low.tools.tools]
         self.stop_sequences = set(req.stop_sequences or [])
         self.max_context = state.max_context
         self.id = new_id("msg_")

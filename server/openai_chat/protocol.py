@@ -16,7 +16,7 @@ from ..generation import Sampling
 from ..logprobs import openai_logit_bias
 from ..state import ServerState
 from ..structured import request_grammar
-from ..openai_common import (FunctionTool, callable_tools, function_tool, normalize_stops,
+from ..openai_common import (FunctionTool, ToolUse, callable_tools, function_tool, normalize_stops,
                              reject_unsupported_sampling, unique_names)
 
 
@@ -205,10 +205,10 @@ class ChatCompletionRequest(BaseModel):
         unique_names(out, "tools")
         return out
 
-    def callable_tools(self, tools: list[FunctionTool]) -> list[FunctionTool]:
-        """The subset ``tool_choice`` lets the model call, in declaration order."""
+    def tool_use(self, tools: list[FunctionTool]) -> ToolUse:
+        """What ``tool_choice`` lets (or makes) the model call."""
         return callable_tools(tools, self.tool_choice, self.parallel_tool_calls,
-                              lambda choice: _allowed_names(choice, tools))
+                              lambda choice: _allowed_names(choice, tools), _named)
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -236,13 +236,13 @@ class ChatCompletionRequest(BaseModel):
         """Alternatives per token when log-probabilities are asked for (None: they are not)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling(self, state: ServerState) -> Sampling:
+    def sampling(self, state: ServerState, tools: ToolUse) -> Sampling:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         seed=self.seed, max_tokens=max_tokens, stop=list(self.stop or []), logprobs=self.top,
                         logit_bias=openai_logit_bias(state, self.logit_bias),
-                        grammar=request_grammar(self, self.response_format))
+                        grammar=tools.grammar(request_grammar(self, self.response_format)))
 
 
 def _text(m: ChatMessage) -> str:
@@ -268,11 +268,22 @@ def check_tool_history(req: ChatCompletionRequest) -> None:
                               "tool call arguments must be a JSON object")
 
 
-def _allowed_names(choice: dict, tools: list[FunctionTool]) -> list[str]:
-    """Names in a Chat ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`` choice."""
+def _named(choice: dict) -> str:
+    """The name in a Chat ``{"type": "function", "function": {"name"}}`` choice."""
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise invalid("tool_choice.function.name", "a named tool choice needs 'function': {'name': ...}")
+    return name
+
+
+def _allowed_names(choice: dict, tools: list[FunctionTool]) -> tuple[list[str], bool]:
+    """Names in a Chat ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`` choice,
+    and whether its mode requires a call."""
     spec = choice.get("allowed_tools") or {}
-    if spec.get("mode", "auto") != "auto":
-        raise unsupported("tool_choice.allowed_tools.mode", "only mode 'auto'")
+    mode = spec.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise invalid("tool_choice.allowed_tools.mode", "mode must be 'auto' or 'required'")
     names = []
     for j, ref in enumerate(spec.get("tools") or []):
         fn = ref.get("function") if isinstance(ref, dict) else None
@@ -280,4 +291,4 @@ def _allowed_names(choice: dict, tools: list[FunctionTool]) -> list[str]:
         if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise invalid(f"tool_choice.allowed_tools.tools[{j}]", f"no declared function tool {name!r}")
         names.append(name)
-    return names
+    return names, mode == "required"

@@ -23,11 +23,11 @@ class PreparedChat:
         req.reject_unsupported()
         self.n = check_choices(state, req.n)
         check_tool_history(req)
-        callable_tools = req.callable_tools(req.function_tools())
+        use = req.tool_use(req.function_tools())
         options = template_options(state, req.chat_template_kwargs, req.typed_template_options())
         self.prepared = prepare(
-            state, req.template_messages(), tools=[t.template for t in callable_tools],
-            tool_specs=[t.spec for t in callable_tools], options=options, sampling=req.sampling(state),
+            state, req.template_messages(), tools=[t.template for t in use.tools],
+            tool_specs=[t.spec for t in use.tools], options=options, sampling=req.sampling(state, use),
             thinking_budget=req.thinking_budget,
         )
         self.req = req

@@ -19,7 +19,7 @@ from .items import normalize_input, to_messages
 from .output import OutputBuilder
 from .protocol import InputTokensRequest, ResponsesRequest
 from .store import ResponseStore, StoredResponse
-from .tools import allowed_names, check_forced_hosted, response_tools
+from .tools import allowed_names, check_forced_hosted, named_function, response_tools
 
 log = logging.getLogger("ninfer.server")
 
@@ -49,8 +49,10 @@ class PreparedResponse:
             raise invalid("input", "the conversation needs a user message")
         declared = response_tools(req.tools, state.strict_tools)
         check_forced_hosted(req.tool_choice)
-        self.tools = callable_tools(declared.functions, req.tool_choice, req.parallel_tool_calls,
-                                    lambda choice: allowed_names(choice, declared.functions, state.strict_tools))
+        self.use = callable_tools(declared.functions, req.tool_choice, req.parallel_tool_calls,
+                                  lambda choice: allowed_names(choice, declared.functions, state.strict_tools),
+                                  named_function)
+        self.tools = self.use.tools
         self.omitted_tools = declared.omitted  # hosted tool types left out of the prompt
         if self.omitted_tools:
             log.warning("responses: hosted tools left out of the prompt: %s", ", ".join(self.omitted_tools))
@@ -84,7 +86,8 @@ class ResponseRun:
         self.state = state
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens,
                             logprobs=req.top,
-                            grammar=request_grammar(None, req.text.format if req.text else None, "text.format"))
+                            grammar=self.p.use.grammar(request_grammar(None, req.text.format if req.text else None,
+                                                                       "text.format")))
         self.prepared = prepare(state, self.p.messages, tools=[t.template for t in self.p.tools],
                                 tool_specs=[t.spec for t in self.p.tools], options=self.p.options,
                                 sampling=sampling, thinking_budget=req.thinking_budget, budget_param="thinking_budget",

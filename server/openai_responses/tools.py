@@ -77,11 +77,22 @@ def check_forced_hosted(choice: Any) -> None:
         raise unsupported("tool_choice", f"hosted tool '{choice['type']}' cannot be run by this server")
 
 
-def allowed_names(choice: dict, tools: list[FunctionTool], strict: bool) -> list[str]:
-    """Names in a Responses ``{"type": "allowed_tools", "mode", "tools"}`` choice; hosted tools in
-    it are left out as the declared ones are (refused when ``strict``)."""
-    if choice.get("mode", "auto") != "auto":
-        raise unsupported("tool_choice.mode", "only mode 'auto'")
+def named_function(choice: dict) -> str:
+    """The engine name in a Responses ``{"type": "function", "name", "namespace"?}`` choice."""
+    name = choice.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid("tool_choice.name", "a named tool choice needs a function 'name'")
+    namespace = choice.get("namespace")
+    return engine_name(name, namespace if isinstance(namespace, str) else None)
+
+
+def allowed_names(choice: dict, tools: list[FunctionTool], strict: bool) -> tuple[list[str], bool]:
+    """Names in a Responses ``{"type": "allowed_tools", "mode", "tools"}`` choice, and whether
+    its mode requires a call; hosted tools in it are left out as the declared ones are (refused
+    when ``strict``)."""
+    mode = choice.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise invalid("tool_choice.mode", "mode must be 'auto' or 'required'")
     names = []
     for j, ref in enumerate(choice.get("tools") or []):
         if isinstance(ref, dict) and ref.get("type") in HOSTED_TOOL_TYPES and not strict:
@@ -92,4 +103,4 @@ def allowed_names(choice: dict, tools: list[FunctionTool], strict: bool) -> list
         if name not in {t.name for t in tools}:
             raise invalid(f"tool_choice.tools[{j}]", f"no declared function {name!r}")
         names.append(name)
-    return names
+    return names, mode == "required"

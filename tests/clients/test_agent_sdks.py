@@ -1,14 +1,16 @@
 """Agent frameworks' own clients against a real ``ninfer-serve`` on the embedded model: the OpenAI
-Agents SDK (Responses API, a function tool) and LangChain's ``ChatOpenAI`` (Chat Completions and
-Responses). The small model may answer poorly; what counts is that each completes its turn with
-what it sends by default. Server flags bound the time, as none of them sets a limit: greedy
-decoding (``--temperature 0``) ends these short answers well within ``--default-max-tokens``; the
-Agents SDK takes a response cut at its token limit for a failure."""
+Agents SDK (Responses API, a default strict function tool, and one forced by ``tool_choice``) and
+LangChain's ``ChatOpenAI`` (Chat Completions and Responses). The small model may answer poorly;
+what counts is that each completes its turn with what it sends by default. Server flags bound the
+time, as none of them sets a limit: greedy decoding (``--temperature 0``) ends these short answers
+well within ``--default-max-tokens``; the Agents SDK takes a response cut at its token limit for a
+failure."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -44,7 +46,7 @@ def test_openai_agents_runs_a_turn_with_a_function_tool(server):
     proc, log = server
     calls: list[str] = []
 
-    @function_tool(strict_mode=False)
+    @function_tool  # strict by default: its calls are held to the schema
     def get_weather(city: str) -> str:
         """The current weather in a city."""
         calls.append(city)
@@ -69,6 +71,33 @@ def test_openai_agents_runs_a_turn_with_a_function_tool(server):
     starts = [r for r in mine if r["event"] == "request_start"]
     assert starts[0]["shape"]["n_tools"] == 1 and len(starts) == len(result.raw_responses)
     assert len(calls) == sum(1 for r in result.raw_responses for o in r.output if o.type == "function_call")
+
+
+def test_openai_agents_with_a_required_tool_call(server):
+    """``tool_choice="required"``: the first turn is one call (``parallel_tool_calls=False``: a
+    model this small, greedy, may otherwise write calls until its token limit) whose arguments
+    validate (a strict tool, its city one of an enum); the SDK runs the tool and, its tool choice
+    reset, the model answers."""
+    from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
+    from openai import AsyncOpenAI
+
+    proc, _ = server
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome", "Tokyo"]) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    client = AsyncOpenAI(base_url=proc.base_url + "/v1", api_key=KEY, max_retries=0)
+    agent = Agent(name="assistant", instructions="You are a helpful assistant.", tools=[get_weather], model=MODEL,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False))
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    result = Runner.run_sync(agent, "What is the weather in Rome?", run_config=config, max_turns=4)
+    assert len(calls) >= 1 and set(calls) <= {"Paris", "Rome", "Tokyo"}
+    first = result.raw_responses[0].output
+    assert [o.type for o in first if o.type == "function_call"] and isinstance(result.final_output, str)
 
 
 def test_langchain_chat_openai_invoke_stream_and_tools(server):

@@ -1,9 +1,10 @@
 """Structured outputs as users ask for them, against a real ``ninfer-serve`` on the embedded model:
 the ``openai`` SDK's ``chat.completions.parse()`` and ``responses.parse()`` with a pydantic model
-(nested objects, enums, arrays, optional fields), LangChain's ``with_structured_output``, and the
-llama.cpp dialect's ``json_schema`` and GBNF ``grammar``. The model is small and the prompts are
-varied; the grammar is what makes every answer parse. The model bounds its strings, numbers and lists, as
-one does for a model this small: unbounded, it may write a string until the token limit."""
+(nested objects, enums, arrays, optional fields), LangChain's ``with_structured_output`` (a
+response format, and a forced strict tool call), and the llama.cpp dialect's ``json_schema`` and
+GBNF ``grammar``. The model is small and the prompts are varied; the grammar is what makes every
+answer parse. The model bounds its strings, numbers and lists, as one does for a model this small:
+unbounded, it may write a string until the token limit."""
 from __future__ import annotations
 
 import asyncio
@@ -96,6 +97,17 @@ def test_langchain_with_structured_output(server):
     llm = ChatOpenAI(base_url=server.base_url + "/v1", api_key="none", model=MODEL, max_tokens=700, max_retries=0)
     trip = llm.with_structured_output(Trip).invoke("Plan a trip to Madrid.")
     assert isinstance(trip, Trip)
+
+
+def test_langchain_with_structured_output_through_a_forced_tool_call(server):
+    """``method="function_calling"``: the schema becomes a strict tool that ``tool_choice`` names,
+    and the answer is read from the call's arguments."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.base_url + "/v1", api_key="none", model=MODEL, max_tokens=700, max_retries=0)
+    structured = llm.with_structured_output(Trip, method="function_calling", strict=True)
+    for city in ("Madrid", "Oslo"):
+        assert isinstance(structured.invoke(f"Plan a trip to {city}."), Trip)
 
 
 def test_llamacpp_json_schema_and_grammar(server):

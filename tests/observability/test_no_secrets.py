@@ -59,7 +59,8 @@ def chat_bodies() -> list[dict]:
         {k: v for k, v in full.items() if k != "model"},
         {**full, "model": SECRET},  # refused: unknown model
         {**full, "messages": [{"role": "user", "content": SECRET, "name": SECRET}]},  # refused: names
-        {**full, "tool_choice": {"type": "function", "function": {"name": SECRET}}},  # refused: forced tool
+        {**full, "tool_choice": {"type": "function", "function": {"name": SECRET}}},  # a forced call
+        {**full, "tool_choice": {"type": "function", "function": {"name": SECRET * 2}}},  # refused: undeclared
         {**full, "messages": [{"role": SECRET, "content": SECRET}]},  # refused: bad role
         {**full, "temperature": SECRET},
         {**full, "n": SECRET},
@@ -97,6 +98,7 @@ def responses_bodies() -> list[dict]:
         {**full, "model": SECRET},
         {**full, SECRET: SECRET},  # refused: unknown field, named by its own name
         {**full, "tool_choice": {"type": "function", "name": SECRET}},
+        {**full, "tool_choice": {"type": "function", "name": SECRET * 2}},
         {**full, "tools": [{"type": SECRET, "name": SECRET}]},
         {**full, "input": [{"type": SECRET, SECRET: SECRET}]},
         {**full, "input": [{"type": "reasoning", "id": SECRET, "summary": [], "encrypted_content": SECRET}]},
@@ -123,6 +125,7 @@ def anthropic_bodies() -> list[dict]:
         {**full, "thinking": {"type": "enabled", "budget_tokens": 10}},  # refused: budget too small
         {**full, "thinking": {"type": SECRET}},
         {**full, "tool_choice": {"type": "tool", "name": SECRET}},
+        {**full, "tool_choice": {"type": "tool", "name": SECRET * 2}},
         {**full, "tools": [{"type": SECRET, "name": SECRET}]},
         {**full, "messages": [{"role": "user", "content": [{"type": SECRET, SECRET: SECRET}]}]},
         {**full, "context_management": {"edits": [{"type": SECRET, SECRET: SECRET}]}},

@@ -126,7 +126,7 @@ def test_any_model_name_is_answered_by_the_served_model(client):
         ({"max_tokens": -1}, 400, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools[0].function.strict"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, 400, "tools[0].function.strict"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"logit_bias": {"abc": 1}}, 400, "logit_bias.abc"),
         ({"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
