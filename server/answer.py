@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .cancellation import cancel_on_disconnect
-from .choices import start_choices
+from .choices import merged, start_choices
 from .generation import Keep, start
 from .state import ServerState
 from .streaming import sse_response
@@ -133,27 +133,10 @@ async def run_batch(request: Request, state: ServerState, jobs: Sequence[Job]) -
 
 
 async def _merged(jobs: Sequence[Job], started: list[Outputs]) -> AsyncIterator[str]:
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
-
-    async def pump(job: Job, outputs: Outputs) -> None:
-        try:
-            async for frame in job.frames(outputs):
-                await queue.put(frame)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.ensure_future(pump(job, outputs)) for job, outputs in zip(jobs, started)]
+    """Every job's frames, each as soon as it comes (``choices.merged``); leaving closes them all."""
     try:
-        left = len(tasks)
-        while left:
-            frame = await queue.get()
-            if frame is None:
-                left -= 1
-            else:
-                yield frame
+        async for _, frame in merged([job.frames(outputs) for job, outputs in zip(jobs, started)]):
+            yield frame
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for outputs in started:
             await outputs.aclose()

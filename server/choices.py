@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
@@ -15,6 +15,7 @@ from .generation import Keep, start
 from .state import ServerState
 
 Outputs = AsyncIterator[RequestOutput]
+T = TypeVar("T")
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -67,9 +68,10 @@ async def start_choices(state: ServerState, prompt_ids: list[int], params: Sampl
     return [a for a, _ in results], [o for _, o in results]
 
 
-async def merged(outputs: Sequence[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """``(choice, output)`` from every iterator, each output as soon as it arrives; leaving early
-    (or an error from one) closes them all, which cancels their engine requests."""
+async def merged(outputs: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """``(index, item)`` from every iterator (a request's outputs, a batch job's frames), each item
+    as soon as it arrives; leaving early (or an error from one) closes them all, which cancels
+    their engine requests."""
     if len(outputs) == 1:
         async for out in outputs[0]:
             yield 0, out
