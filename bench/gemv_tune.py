@@ -15,6 +15,10 @@ cuBLAS did.
 MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in front
 (``norm_gemv_triton``) per tile choice, against the add + norm launch followed by the projection as
 ``decode_linear`` runs it now; prints ``norm_gemv_shape_tiles`` entries where the one launch won.
+
+``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
+``int4_gemv_triton`` runs them, per tile choice, against bf16 cuBLAS on the dense weight; TB/s
+counts the packed bytes, the scales and the offsets.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
+from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -140,12 +145,56 @@ def _tune_norm(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
             "rule": None, "rule_us": None, "bad": bad}
 
 
+_INT4_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+               for n, k, w in itertools.product((2, 4, 8, 16), (128, 256, 512), (2, 4, 8))]
+
+
+def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128) -> list[dict]:
+    """``int4_gemv_triton`` per tile choice against bf16 cuBLAS, at ``[M, K] @ [N, K]^T``."""
+    nbytes = n * k // 2 + 2 * (n * k // group) * 2
+    copies = max(1, math.ceil(graph_mb * 1e6 / nbytes))
+    packs = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
+              torch.rand(n, k // group, dtype=torch.float16, device="cuda") * 0.01,
+              torch.randn(n, k // group, dtype=torch.float16, device="cuda") * 0.01) for _ in range(copies)]
+    dense_copies = max(1, math.ceil(graph_mb * 1e6 / (2 * n * k)))
+    dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(dense_copies)]
+    q0, s0, o0 = packs[0]
+    lo, hi = (q0 & 15).float(), (q0 >> 4).float()
+    cols = torch.stack([lo, hi], -1).view(n, k)
+    w0 = (cols.view(n, k // group, group) * s0.float()[..., None] + o0.float()[..., None]).view(n, k)
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        ref = x.float() @ w0.T
+        cublas = graph_time_us(lambda c: F.linear(x, dense[c]), dense_copies)
+        best, bad, seen = None, [], set()
+        for tiles in _INT4_TILES:
+            try:
+                out = int4_gemv_triton(x, q0, s0, o0, group, tiles)
+                us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group, tiles), copies)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+                bad.append(f"{tiles}: {type(exc).__name__}")
+                continue
+            if _rel_err(out, ref) > 2e-2:
+                bad.append(f"{tiles}: MISMATCH")
+            elif best is None or us < best[1]:
+                best = (tiles, us)
+        default_us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group), copies)
+        results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
+                        "rule": {}, "rule_us": default_us, "bad": bad, "cublas_mb": 2 * n * k / 1e6})
+    packs.clear()
+    dense.clear()
+    torch.cuda.empty_cache()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gemv_tune")
     p.add_argument("--shape", default="qwen3.5-27b")
     p.add_argument("--rows", default="1,8", help="input rows M (decode batch sizes)")
     p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
+    p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -154,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape} on {torch.cuda.get_device_name()}: bf16, GPU time per call inside CUDA graphs; "
           "TB/s = weight bytes / time; tiles = BLOCK_N x BLOCK_K / num_warps; "
           "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)"
+          + ("; --int4: MB and TB/s count the 4-bit weight; 'rule us' = the default tiles" if args.int4 else "")
           + ("; --norm: the 'cuBLAS' columns are add + RMSNorm then the projection as decode_linear runs it"
              if args.norm else ""))
     lines = ["| projection | N | K | M | MB | cuBLAS us | cuBLAS TB/s | best Triton tiles | us | TB/s | speedup "
@@ -162,18 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k in projections(cfg):
         if args.norm and not any(part in NORMED for part in name.split(" = ")):
             continue
-        for r in tune(n, k, rows, args.graph_mb, norm=args.norm):
+        runs = tune_int4(n, k, rows, args.graph_mb) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
+        for r in runs:
             mb, cu = r["mb"], r["cublas_us"]
             rule = "-" if args.norm else "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"
+            if args.int4:  # TB/s over the packed bytes; the speedup is against bf16 cuBLAS
+                rule = f"{r['rule_us']:.1f}"
             for b in r["bad"]:
                 print(f"  {name} M={r['m']}: {b}")
             if r["best"] is None:
-                lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {mb / cu:.2f} | none | | | "
+                lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {r.get('cublas_mb', mb) / cu:.2f} | none | | | "
                              f"| {rule} |")
                 table[(r["m"], n, k)] = None
                 continue
             tiles, us = r["best"]
-            lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {mb / cu:.2f} | "
+            lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {r.get('cublas_mb', mb) / cu:.2f} | "
                          f"{tiles['BLOCK_N']}x{tiles['BLOCK_K']}/{tiles['num_warps']}w | {us:.1f} | {mb / us:.2f} | "
                          f"{cu / us:.2f} | {rule} |")
             table[(r["m"], n, k)] = tiles if us < cu else None
