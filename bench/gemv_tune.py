@@ -17,7 +17,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``decode_linear`` runs it now; prints ``norm_gemv_shape_tiles`` entries where the one launch won.
 
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
-``int4_gemv_triton`` runs them, per tile choice, against bf16 cuBLAS on the dense weight; TB/s
+``int4_mm_triton`` runs them, per tile choice, ``int4_gemv_triton`` and torch's tinygemm, against bf16 cuBLAS on the
+dense weight; TB/s
 counts the packed bytes, the scales and the offsets.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton
+from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, int4_mm_triton
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -145,12 +146,26 @@ def _tune_norm(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
             "rule": None, "rule_us": None, "bad": bad}
 
 
-_INT4_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
-               for n, k, w in itertools.product((2, 4, 8, 16), (128, 256, 512), (2, 4, 8))]
+# int4_mm_triton tiles: decode rows split K to fill the GPU; prompt rows take tall tiles
+_INT4_DECODE_TILES = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
+                      for n, k, sk, st in itertools.product((32, 64), (128, 256), (1, 2, 4, 8), (3, 4))]
+_INT4_PROMPT_TILES = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": w, "num_stages": st}
+                      for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+
+
+def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
+    """torch's int4 CUDA matmul (``_weight_int4pack_mm``, tinygemm) operands for ``pack_int4``
+    bytes: the values repacked even column high, the scales and zeros ``[K / G, N, 2]`` bf16 with
+    ``w = (q - 8) * scale + zero``."""
+    q = torch.stack([q0 & 15, q0 >> 4], -1).view(q0.shape[0], -1)
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+    sz = torch.stack([s0, o0 + 8 * s0], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, sz
 
 
 def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128) -> list[dict]:
-    """``int4_gemv_triton`` per tile choice against bf16 cuBLAS, at ``[M, K] @ [N, K]^T``."""
+    """``int4_mm_triton`` per tile choice, ``int4_gemv_triton`` and torch's tinygemm against bf16 cuBLAS, at
+    ``[M, K] @ [N, K]^T``."""
     nbytes = n * k // 2 + 2 * (n * k // group) * 2
     copies = max(1, math.ceil(graph_mb * 1e6 / nbytes))
     packs = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
@@ -162,16 +177,24 @@ def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128
     lo, hi = (q0 & 15).float(), (q0 >> 4).float()
     cols = torch.stack([lo, hi], -1).view(n, k)
     w0 = (cols.view(n, k // group, group) * s0.float()[..., None] + o0.float()[..., None]).view(n, k)
+    tiny = [tinygemm_pack(*p) for p in packs]
     results = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         ref = x.float() @ w0.T
         cublas = graph_time_us(lambda c: F.linear(x, dense[c]), dense_copies)
-        best, bad, seen = None, [], set()
-        for tiles in _INT4_TILES:
+        best, bad = None, []
+        tiny_err = _rel_err(torch.ops.aten._weight_int4pack_mm(x, tiny[0][0], group, tiny[0][1]), ref)
+        tiny_us = graph_time_us(lambda c: torch.ops.aten._weight_int4pack_mm(x, tiny[c][0], group, tiny[c][1]), copies)
+        bad.append(f"tinygemm {tiny_us:.1f} us ({nbytes / 1e6 / tiny_us:.2f} TB/s), rel err {tiny_err:.4f}")
+        gemv_us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group), copies) if m <= 8 else 0.0
+        bad.append(f"int4_gemv_triton (default tiles) {gemv_us:.1f} us")
+        for tiles in (_INT4_DECODE_TILES if m <= 16 else _INT4_PROMPT_TILES):
+            if k % (tiles["BLOCK_K"] * tiles["SPLIT_K"]):
+                continue
             try:
-                out = int4_gemv_triton(x, q0, s0, o0, group, tiles)
-                us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group, tiles), copies)
+                out = int4_mm_triton(x, q0, s0, o0, group, tiles)
+                us = graph_time_us(lambda c: int4_mm_triton(x, *packs[c], group, tiles), copies)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
                 bad.append(f"{tiles}: {type(exc).__name__}")
                 continue
@@ -179,13 +202,20 @@ def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128
                 bad.append(f"{tiles}: MISMATCH")
             elif best is None or us < best[1]:
                 best = (tiles, us)
-        default_us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group), copies)
         results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
-                        "rule": {}, "rule_us": default_us, "bad": bad, "cublas_mb": 2 * n * k / 1e6})
+                        "rule": {}, "rule_us": tiny_us, "bad": bad, "cublas_mb": 2 * n * k / 1e6})
     packs.clear()
     dense.clear()
+    tiny.clear()
     torch.cuda.empty_cache()
     return results
+
+
+def _tile_name(t: dict) -> str:
+    name = f"{t['BLOCK_N']}x{t['BLOCK_K']}/{t['num_warps']}w"
+    if "BLOCK_M" in t:
+        name = f"{t['BLOCK_M']}x" + name + f" split {t['SPLIT_K']} stages {t['num_stages']}"
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape} on {torch.cuda.get_device_name()}: bf16, GPU time per call inside CUDA graphs; "
           "TB/s = weight bytes / time; tiles = BLOCK_N x BLOCK_K / num_warps; "
           "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)"
-          + ("; --int4: MB and TB/s count the 4-bit weight; 'rule us' = the default tiles" if args.int4 else "")
+          + ("; --int4: MB and TB/s count the 4-bit weight; 'rule us' = torch's tinygemm (_weight_int4pack_mm)" if args.int4 else "")
           + ("; --norm: the 'cuBLAS' columns are add + RMSNorm then the projection as decode_linear runs it"
              if args.norm else ""))
     lines = ["| projection | N | K | M | MB | cuBLAS us | cuBLAS TB/s | best Triton tiles | us | TB/s | speedup "
@@ -227,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             tiles, us = r["best"]
             lines.append(f"| {name} | {n} | {k} | {r['m']} | {mb:.1f} | {cu:.1f} | {r.get('cublas_mb', mb) / cu:.2f} | "
-                         f"{tiles['BLOCK_N']}x{tiles['BLOCK_K']}/{tiles['num_warps']}w | {us:.1f} | {mb / us:.2f} | "
+                         f"{_tile_name(tiles)} | {us:.1f} | {mb / us:.2f} | "
                          f"{cu / us:.2f} | {rule} |")
             table[(r["m"], n, k)] = tiles if us < cu else None
             print(lines[-1], flush=True)

@@ -88,3 +88,68 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         scale.stride(0), y.stride(0), G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"],
         BLOCK_K=t["BLOCK_K"], HAS_OFFSET=offset is not None, num_warps=t["num_warps"])
     return y
+
+
+@triton.jit
+def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                    stride_ys, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    K_PER_SPLIT: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
+    words = tl.arange(0, BLOCK_K // 8)  # int32 word j of a chunk holds columns 8j .. 8j + 7, low nibble first
+    shifts = tl.arange(0, 8) * 4
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in tl.range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        x = tl.load(x_ptr + rm_in[:, None] * stride_xm + (k0 + kk)[None, :])
+        w32 = tl.load(q_ptr + rn_in[:, None] * stride_qn + (k0 // 8 + words)[None, :])
+        w = (w32[:, :, None] >> shifts[None, None, :]) & 15
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // G, G)).to(tl.float32)
+        g = k0 // G + tl.arange(0, BLOCK_K // G)
+        s = tl.load(s_ptr + rn_in[:, None] * stride_sn + g[None, :]).to(tl.float32)
+        w = w * s[:, :, None]
+        if HAS_OFFSET:
+            o = tl.load(o_ptr + rn_in[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            w = w + o[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w))
+    out = y_ptr + split * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+MM_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+
+
+def int4_mm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                   group: int, tiles: dict | None = None) -> torch.Tensor:
+    """``int4_gemv_triton``'s product for any number of rows, on tensor cores: each program
+    dequantizes a ``BLOCK_N x BLOCK_K`` tile of the packed weight (read as int32 words, eight
+    values each) and multiplies it with ``BLOCK_M`` input rows; ``SPLIT_K`` > 1 splits K over
+    programs (fp32 partial sums, added after) so that a few decode rows still fill the GPU. K must
+    be a multiple of ``BLOCK_K * SPLIT_K`` and ``BLOCK_K`` of the group."""
+    m, k = x.shape
+    n = packed.shape[0]
+    t = dict(MM_TILES, **(tiles or {}))
+    bk, split = t["BLOCK_K"], t["SPLIT_K"]
+    if packed.shape[1] * 2 != k or bk % group or k % (bk * split) or tuple(scale.shape) != (n, k // group):
+        raise ValueError(f"int4 mm: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scales {tuple(scale.shape)} "
+                         f"in groups of {group} do not fit BLOCK_K {bk} x SPLIT_K {split}")
+    if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
+        raise ValueError("int4 mm: x needs a contiguous last dim, packed and scales must be contiguous")
+    words = packed.view(torch.int32)
+    y = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else x.dtype,
+                    device=x.device)
+    if m == 0 or n == 0:
+        return y if split == 1 else y.sum(0).to(x.dtype)
+    grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(m, t["BLOCK_M"]), split)
+    _int4_mm_kernel[grid](x, words, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0),
+                          words.stride(0), scale.stride(0), y.stride(-2), y.stride(0) if split > 1 else 0,
+                          G=group, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=bk, K_PER_SPLIT=k // split,
+                          HAS_OFFSET=offset is not None, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    return y if split == 1 else y.sum(0).to(x.dtype)

@@ -246,3 +246,18 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
 
     with pytest.raises(ValueError):  # scales of another group size
         int4_gemv_triton(torch.randn(1, 64), pack_int4(torch.zeros(4, 64)), torch.ones(4, 4).half(), None, 32)
+
+
+@pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 256, 32, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64}),  # ragged last row and column blocks
+    (20, 48, 256, 64, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),  # split K, two row blocks
+    (5, 16, 128, 128, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}),
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int4_mm(m, n, k, group, tiles, with_offset):
+    check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, tiles, 1e-5, kernel="mm")
+    from ninfer.engine.layers.quant_gemv_triton import int4_mm_triton, pack_int4
+
+    with pytest.raises(ValueError):  # K not a whole number of BLOCK_K chunks per split
+        int4_mm_triton(torch.randn(1, 96), pack_int4(torch.zeros(4, 96)), torch.ones(4, 3).half(), None, 32,
+                       {"BLOCK_K": 64})
