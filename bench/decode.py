@@ -4,7 +4,8 @@
                            [--prefill 512,16384] [--steps 32] [--beside 8] [--no-hf] [--json FILE]
                            [--set attention_max_splits=32 ...]
 
-Random bf16 weights at the real shape are made directly on the GPU (no checkpoint). The run first
+Random bf16 weights at the real shape are made directly on the GPU (no checkpoint); ``--weights
+int4`` then holds every projection 4-bit as the server's ``--weights int4`` does. The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
@@ -70,9 +71,10 @@ def randomize_(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
-def bytes_per_step(cfg, batch: int, context: int) -> float:
+def bytes_per_step(cfg, batch: int, context: int, weight_bytes: float | None = None) -> float:
     """Fewest bytes one decode step streams: weights read once (active experts only, per token
-    for MoE), GDN state read + written and KV read for every sequence."""
+    for MoE; ``weight_bytes`` where the model holds them otherwise than bf16), GDN state read +
+    written and KV read for every sequence."""
     elt = 2
     h, v = cfg.hidden_size, cfg.vocab_size
     attn = sum(t == "full_attention" for t in cfg.layer_types)
@@ -89,6 +91,8 @@ def bytes_per_step(cfg, batch: int, context: int) -> float:
     else:
         mlp = 3 * h * cfg.intermediate_size
     weights = (attn * attn_params + gdn * gdn_params + cfg.num_hidden_layers * mlp + v * h) * elt
+    if weight_bytes is not None:
+        weights = weight_bytes
     state = batch * gdn * 2 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv = batch * context * attn * 2 * cfg.num_key_value_heads * cfg.head_dim * elt
     return weights + state + kv
@@ -97,8 +101,30 @@ def bytes_per_step(cfg, batch: int, context: int) -> float:
 BESIDE_REPS = 8  # prompts timed one after another beside the decoders
 
 
+def quantize_(model: torch.nn.Module, bits: int) -> None:
+    """Every projection (``Linear``) held ``bits``-bit as ``--weights int4`` loads it."""
+    from ninfer.engine.layers.linear import Linear, method_fits, quantize_rtn
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.weight is not None:
+            q = quantize_rtn(mod.weight.detach(), bits)
+            if q is not None and method_fits(q, mod.weight.device):
+                mod.take_quantized(name + ".weight", q)
+    torch.cuda.empty_cache()
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a dense decode step reads: every parameter and held buffer but the
+    token embedding (a step reads its rows only) and the state caches."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    skip = set() if tied else {id(t) for n, m in model.named_modules() if n.endswith("embed_tokens")
+                               for t in m.parameters()}
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
-            prefill_chunk: int | None = None, beside: int = 0):
+            prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -108,6 +134,8 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     dtype = DTYPE if device == "cuda" else torch.float32
     model = build_model(cfg, dtype=dtype, device=device)
     randomize_(model)
+    if bits is not None:
+        quantize_(model, bits)
     fuse_model_projections(model)
     out = steps + max_batch  # a request also decodes while the later ones are prefilled
     chunk = prefill_chunk or max(prefill_max, 2048)
@@ -215,10 +243,12 @@ def _step_times(engine, steps: int) -> list[float]:
 
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
-               device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0) -> dict:
+               device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
-    engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills), device, prefill_chunk, beside)
-    out: dict = {"decode": {}, "prefill": {}}
+    engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills), device, prefill_chunk, beside,
+                     bits)
+    weight_bytes = None if bits is None else streamed_weight_bytes(engine.model)
+    out: dict = {"decode": {}, "prefill": {}, "weight_gb": weight_bytes and weight_bytes / 1e9}
     for b in batches:
         reqs = _requests(b, context, steps + b + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
         dt = decode_step_s(engine, reqs, steps)
@@ -226,7 +256,7 @@ def bench_ours(name: str, batches: list[int], context: int, prefills: list[int],
         for r in reqs:
             engine.abort(r.request_id)
         out["decode"][b] = {"ms_per_step": dt * 1e3, "tok_s": b / dt, "graph_ms": graph_ms,
-                            "bytes_per_step": bytes_per_step(cfg, b, context)}
+                            "bytes_per_step": bytes_per_step(cfg, b, context, weight_bytes)}
     for n in prefills:
         (req,) = _requests(1, n, 1, cfg.vocab_size, f"p{n}-", engine.config.max_context)
         warm = _requests(1, n, 1, cfg.vocab_size, f"w{n}-", engine.config.max_context)[0]
@@ -400,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a kernel launch setting first, e.g. attention_max_splits=32")
+    p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
+                   help="int4: every projection 4-bit in groups of 128 as --weights int4 holds it (the floor "
+                        "counts the bytes the model holds)")
     args = p.parse_args(argv)
     start_on_gpu(p, args.set)
     if args.gemv == "off":
@@ -410,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.shape:
         results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
-                                                 prefill_chunk=args.prefill_chunk, beside=args.beside)}
+                                                 prefill_chunk=args.prefill_chunk, beside=args.beside,
+                                                 bits=4 if args.weights == "int4" else None)}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

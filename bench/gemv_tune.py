@@ -17,7 +17,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``decode_linear`` runs it now; prints ``norm_gemv_shape_tiles`` entries where the one launch won.
 
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
-``int4_mm_triton`` runs them, per tile choice, ``int4_gemv_triton`` and torch's tinygemm, against bf16 cuBLAS on the
+``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
+cuBLAS), and torch's tinygemm, against bf16 cuBLAS on the
 dense weight; TB/s
 counts the packed bytes, the scales and the offsets.
 """
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, int4_mm_triton
+from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -146,11 +147,8 @@ def _tune_norm(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
             "rule": None, "rule_us": None, "bad": bad}
 
 
-# int4_mm_triton tiles: decode rows split K to fill the GPU; prompt rows take tall tiles
-_INT4_DECODE_TILES = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
-                      for n, k, sk, st in itertools.product((32, 64), (128, 256), (1, 2, 4, 8), (3, 4))]
-_INT4_PROMPT_TILES = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": w, "num_stages": st}
-                      for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+_INT4_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+               for n, k, w in itertools.product((2, 4, 8, 16, 32), (64, 128), (1, 2, 4, 8))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
@@ -164,7 +162,8 @@ def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_
 
 
 def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128) -> list[dict]:
-    """``int4_mm_triton`` per tile choice, ``int4_gemv_triton`` and torch's tinygemm against bf16 cuBLAS, at
+    """``int4_gemv_triton`` per tile choice (decode rows), the weight dequantized then cuBLAS (prompt
+rows) and torch's tinygemm, against bf16 cuBLAS, at
     ``[M, K] @ [N, K]^T``."""
     nbytes = n * k // 2 + 2 * (n * k // group) * 2
     copies = max(1, math.ceil(graph_mb * 1e6 / nbytes))
@@ -187,14 +186,20 @@ def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128
         tiny_err = _rel_err(torch.ops.aten._weight_int4pack_mm(x, tiny[0][0], group, tiny[0][1]), ref)
         tiny_us = graph_time_us(lambda c: torch.ops.aten._weight_int4pack_mm(x, tiny[c][0], group, tiny[c][1]), copies)
         bad.append(f"tinygemm {tiny_us:.1f} us ({nbytes / 1e6 / tiny_us:.2f} TB/s), rel err {tiny_err:.4f}")
-        gemv_us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group), copies) if m <= 8 else 0.0
-        bad.append(f"int4_gemv_triton (default tiles) {gemv_us:.1f} us")
-        for tiles in (_INT4_DECODE_TILES if m <= 16 else _INT4_PROMPT_TILES):
-            if k % (tiles["BLOCK_K"] * tiles["SPLIT_K"]):
-                continue
+        if m > 16:  # prompt rows: the weight dequantized into a buffer, then cuBLAS
+            scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+
+            def dequantized(c: int) -> torch.Tensor:
+                return F.linear(x, int4_dequantize_triton(*packs[c], group, scratch))
+
+            err = _rel_err(dequantized(0), ref)
+            us = graph_time_us(dequantized, copies)
+            bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
+            del scratch
+        for tiles in (_INT4_TILES if m <= 16 else []):
             try:
-                out = int4_mm_triton(x, q0, s0, o0, group, tiles)
-                us = graph_time_us(lambda c: int4_mm_triton(x, *packs[c], group, tiles), copies)
+                out = int4_gemv_triton(x, q0, s0, o0, group, tiles)
+                us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group, tiles), copies)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
                 bad.append(f"{tiles}: {type(exc).__name__}")
                 continue

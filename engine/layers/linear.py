@@ -18,6 +18,12 @@ scales and zeros are held in bf16, and the result, rounded to bf16, comes back i
 dtype. 8-bit groups (Q8_0) are split into their high and low nibbles, two int4 products over the
 same groups, summed (at 49152 x 576, 2.0 ms a token on two cores against 4.3 ms for the fp32
 dequantized weight).
+
+On the GPU a 4-bit weight is held packed two values a byte with fp16 scales and offsets
+(``Int4TritonMethod``, about 4.25 bits a weight at groups of 128): decode rows (up to
+``GEMV_MAX_ROWS``) run the Triton GEMV that streams the packed weight once
+(``quant_gemv_triton.int4_gemv_triton``); prompt rows dequantize the weight, a block of rows at a
+time into a reused buffer, for a cuBLAS product, whose cost a prompt chunk's GEMM amortises.
 """
 from __future__ import annotations
 
@@ -142,6 +148,70 @@ class Int4CpuMethod(LinearMethod):
         return out.view(*lead, self.out_features)
 
 
+GEMV_MAX_ROWS = 16  # input rows the 4-bit GEMV takes; more dequantize into a buffer for cuBLAS
+DEQUANT_BLOCK_ELEMENTS = 1 << 25  # weight elements dequantized at once (64 MiB in bf16)
+_dequant_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dequant_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One reused buffer per device and dtype for weights dequantized on the fly."""
+    buf = _dequant_buffers.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = _dequant_buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+class Int4TritonMethod(LinearMethod):
+    """A 4-bit weight for the Triton kernels: ``packed`` ``[out, in / 2]`` (``pack_int4``),
+    ``scale`` and ``offset`` (None: symmetric) fp16 ``[out, in / group]``."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int) -> None:
+        super().__init__()
+        self.group = group
+        self.out_features = int(packed.shape[0])
+        self.in_features = int(packed.shape[1]) * 2
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("offset", offset, persistent=False)
+
+    @classmethod
+    def from_groups(cls, w: GroupQuantized, device: torch.device) -> "Int4TritonMethod":
+        from .quant_gemv_triton import pack_int4
+
+        return cls(pack_int4(w.q).to(device), w.scale.to(device, torch.float16),
+                   None if w.offset is None else w.offset.to(device, torch.float16), w.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            out = int4_gemv_triton(x2, self.packed, self.scale, self.offset, self.group)
+            return out.view(*lead, self.out_features)
+        rows = max(1, min(self.out_features, DEQUANT_BLOCK_ELEMENTS // self.in_features))
+        buf = _dequant_buffer(x.device, x.dtype, rows * self.in_features)
+        blocks = []
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(r0 + rows, self.out_features)
+            w = int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
+                                       None if self.offset is None else self.offset[r0:r1], self.group,
+                                       buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
+            blocks.append(x2 @ w.t())
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        return out.view(*lead, self.out_features)
+
+
+def triton_method_fits(w: GroupQuantized) -> bool:
+    """Whether the 4-bit Triton kernels take ``w``: 4-bit values in groups of an even size."""
+    return w.bits == 4 and w.group % 2 == 0
+
+
+def method_fits(w: GroupQuantized, device: torch.device) -> bool:
+    """Whether a method holds ``w`` kept quantized on ``device``."""
+    return cpu_method_fits(w) if torch.device(device).type == "cpu" else triton_method_fits(w)
+
+
 def cpu_method_fits(w: GroupQuantized) -> bool:
     """Whether the CPU int4 matmul takes ``w``'s shape and groups."""
     return w.group in INT4_GROUPS and w.shape[0] % INT4_ROW_BLOCK == 0
@@ -150,8 +220,10 @@ def cpu_method_fits(w: GroupQuantized) -> bool:
 def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
     """The method that runs ``w`` kept quantized on ``device``; a ValueError where none does."""
     if device.type != "cpu":
-        raise ValueError(f"{w.kind} weights kept quantized run on the CPU only; on {device.type} they "
-                         "are dequantized at load")
+        if not triton_method_fits(w):
+            raise ValueError(f"{w.kind} weight {tuple(w.shape)}: on {device.type} only 4-bit weights in groups of "
+                             f"an even size are kept quantized ({w.bits}-bit groups of {w.group} are not)")
+        return Int4TritonMethod.from_groups(w, device)
     if not cpu_method_fits(w):
         raise ValueError(f"{w.kind} weight {tuple(w.shape)} in groups of {w.group}: the CPU int4 matmul "
                          f"needs groups of {INT4_GROUPS} and output rows in multiples of {INT4_ROW_BLOCK}")
@@ -188,6 +260,8 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> GroupQuantized | None:
 def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
     """One method for projections of the same input, outputs concatenated in order; None where
     their kinds or groups differ, or a part before the last is not whole packed blocks."""
+    if all(isinstance(m, Int4TritonMethod) for m in methods):
+        return _fuse_triton(methods)
     if not all(isinstance(m, Int4CpuMethod) for m in methods):
         return None
     first = methods[0]
@@ -202,6 +276,23 @@ def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
         for i in range(m.parts):
             setattr(m, f"packed{i}", fused._part(i)[0][start : start + m.out_features])
         start += m.out_features
+    return fused
+
+
+def _fuse_triton(methods: list[Int4TritonMethod]) -> Int4TritonMethod | None:
+    first = methods[0]
+    if any(m.group != first.group or m.in_features != first.in_features or
+           (m.offset is None) != (first.offset is None) for m in methods):
+        return None
+    fused = Int4TritonMethod(torch.cat([m.packed for m in methods]), torch.cat([m.scale for m in methods]),
+                             None if first.offset is None else torch.cat([m.offset for m in methods]), first.group)
+    start = 0
+    for m in methods:  # each part's tensors become views of the fused ones, as dense weights do
+        end = start + m.out_features
+        m.packed, m.scale = fused.packed[start:end], fused.scale[start:end]
+        if m.offset is not None:
+            m.offset = fused.offset[start:end]
+        start = end
     return fused
 
 

@@ -5,10 +5,15 @@ Decode is memory bound: a 4-bit weight is a quarter of the bytes of a bf16 one. 
 (``pack_int4``) holds two values a byte, the even column in the low nibble; scales and offsets
 are fp16 ``[N, K / G]`` (GGUF's Q4_0 / Q4_1 / Q4_K, GPTQ and AWQ all come to this: an offset
 of ``-scale * zero`` where they keep a zero point). Each program owns ``BLOCK_N`` weight rows,
-walks K in ``BLOCK_K`` chunks, unpacks a chunk of bytes into its two nibbles and multiplies them
-with every input row (``M`` a compile-time constant, padded to a power of two), so the packed
+walks K in ``BLOCK_K`` chunks (a divisor of the group: one scale per row per chunk), unpacks a
+chunk of bytes into its two nibbles and multiplies them with the even and odd columns of every
+input row (loaded as one vector and split) (``M`` a compile-time constant, padded to a power of two), so the packed
 weight is read from memory once for all rows; accumulation is fp32, the result cast once. The
 reference is ``x @ GroupQuantized.dequantize().T`` (``tests/interp``, ``tests/gpu``).
+
+Prompt rows are compute bound: ``int4_dequantize_triton`` writes the weight (or a block of its
+rows) out in the activation dtype for a cuBLAS product, a pass over memory that a prompt chunk's
+GEMM amortises.
 """
 from __future__ import annotations
 
@@ -16,13 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_TILES = {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4}
+DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                       G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_OFFSET: tl.constexpr):
+    # BLOCK_K divides the group G: one scale (and offset) per weight row per chunk
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -30,25 +36,19 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
     m = tl.arange(0, M_PAD)
     m_in = tl.minimum(m, M - 1).to(tl.int64)  # padded input rows re-read the last one
     j = tl.arange(0, BLOCK_K // 2)  # byte j of the chunk holds columns 2j and 2j + 1
+    kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // 2], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
-        col = k0 + 2 * j
-        kmask = col < K
-        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=kmask[None, :], other=0)
-        b = b.to(tl.int32)
-        lo = (b & 15).to(tl.float32)
-        hi = (b >> 4).to(tl.float32)
-        g = (col // G)[None, :]  # both nibbles of a byte are in one group (G is even)
-        s = tl.load(s_ptr + rows_in[:, None] * stride_sn + g, mask=kmask[None, :], other=0.0).to(tl.float32)
-        w_lo = lo * s
-        w_hi = hi * s
+        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+        s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+        w_lo = (b & 15).to(tl.float32) * s
+        w_hi = (b >> 4).to(tl.float32) * s
         if HAS_OFFSET:
-            o = tl.load(o_ptr + rows_in[:, None] * stride_sn + g, mask=kmask[None, :], other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
             w_lo += o
             w_hi += o
-        x_row = x_ptr + m_in[:, None] * stride_xm
-        x_lo = tl.load(x_row + col[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_row + col[None, :] + 1, mask=(col + 1 < K)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m_in[:, None] * stride_xm + (k0 + kk)[None, :]).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x, (M_PAD, BLOCK_K // 2, 2)))
         acc += w_lo[None, :, :] * x_lo[:, None, :] + w_hi[None, :, :] * x_hi[:, None, :]
     y = tl.sum(acc, 2)
     out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
@@ -82,7 +82,9 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return y
     t = dict(DEFAULT_TILES, **(tiles or {}))
-    t["BLOCK_K"] = max(2, min(t["BLOCK_K"], triton.next_power_of_2(k)))
+    t["BLOCK_K"] = min(t["BLOCK_K"], group)  # a chunk never spans two groups
+    if group % t["BLOCK_K"]:
+        raise ValueError(f"int4 gemv: BLOCK_K {t['BLOCK_K']} does not divide the group of {group}")
     _int4_gemv_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"],
@@ -91,65 +93,39 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 @triton.jit
-def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-                    stride_ys, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    K_PER_SPLIT: tl.constexpr, HAS_OFFSET: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm_in = tl.minimum(rm, M - 1).to(tl.int64)
-    rn_in = tl.minimum(rn, N - 1).to(tl.int64)
-    words = tl.arange(0, BLOCK_K // 8)  # int32 word j of a chunk holds columns 8j .. 8j + 7, low nibble first
-    shifts = tl.arange(0, 8) * 4
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * K_PER_SPLIT
-    for k0 in tl.range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        x = tl.load(x_ptr + rm_in[:, None] * stride_xm + (k0 + kk)[None, :])
-        w32 = tl.load(q_ptr + rn_in[:, None] * stride_qn + (k0 // 8 + words)[None, :])
-        w = (w32[:, :, None] >> shifts[None, None, :]) & 15
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K // G, G)).to(tl.float32)
-        g = k0 // G + tl.arange(0, BLOCK_K // G)
-        s = tl.load(s_ptr + rn_in[:, None] * stride_sn + g[None, :]).to(tl.float32)
-        w = w * s[:, :, None]
-        if HAS_OFFSET:
-            o = tl.load(o_ptr + rn_in[:, None] * stride_sn + g[None, :]).to(tl.float32)
-            w = w + o[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)
-        acc += tl.dot(x, tl.trans(w))
-    out = y_ptr + split * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rmask = rows < N
+    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
+    j = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+    s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+    lo = (b & 15).to(tl.float32) * s
+    hi = (b >> 4).to(tl.float32) * s
+    if HAS_OFFSET:
+        o = tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+        lo += o
+        hi += o
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + rows_in[:, None] * stride_wn + kk[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=rmask[:, None])
 
 
-MM_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-
-
-def int4_mm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                   group: int, tiles: dict | None = None) -> torch.Tensor:
-    """``int4_gemv_triton``'s product for any number of rows, on tensor cores: each program
-    dequantizes a ``BLOCK_N x BLOCK_K`` tile of the packed weight (read as int32 words, eight
-    values each) and multiplies it with ``BLOCK_M`` input rows; ``SPLIT_K`` > 1 splits K over
-    programs (fp32 partial sums, added after) so that a few decode rows still fill the GPU. K must
-    be a multiple of ``BLOCK_K * SPLIT_K`` and ``BLOCK_K`` of the group."""
-    m, k = x.shape
-    n = packed.shape[0]
-    t = dict(MM_TILES, **(tiles or {}))
-    bk, split = t["BLOCK_K"], t["SPLIT_K"]
-    if packed.shape[1] * 2 != k or bk % group or k % (bk * split) or tuple(scale.shape) != (n, k // group):
-        raise ValueError(f"int4 mm: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scales {tuple(scale.shape)} "
-                         f"in groups of {group} do not fit BLOCK_K {bk} x SPLIT_K {split}")
-    if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
-        raise ValueError("int4 mm: x needs a contiguous last dim, packed and scales must be contiguous")
-    words = packed.view(torch.int32)
-    y = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else x.dtype,
-                    device=x.device)
-    if m == 0 or n == 0:
-        return y if split == 1 else y.sum(0).to(x.dtype)
-    grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(m, t["BLOCK_M"]), split)
-    _int4_mm_kernel[grid](x, words, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0),
-                          words.stride(0), scale.stride(0), y.stride(-2), y.stride(0) if split > 1 else 0,
-                          G=group, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=bk, K_PER_SPLIT=k // split,
-                          HAS_OFFSET=offset is not None, num_warps=t["num_warps"], num_stages=t["num_stages"])
-    return y if split == 1 else y.sum(0).to(x.dtype)
+def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
+                           out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[N, K]`` (its dtype, e.g. bf16; rows may be strided) = the weight ``packed``
+    ``[N, K / 2]`` holds, ``scale``/``offset`` ``[N, K / group]``."""
+    n, k = out.shape
+    if packed.shape != (n, k // 2) or tuple(scale.shape) != (n, k // group) or group % 2 or k % group:
+        raise ValueError(f"int4 dequantize: packed {tuple(packed.shape)}, scales {tuple(scale.shape)} in groups of "
+                         f"{group} do not make {tuple(out.shape)}")
+    if n == 0:
+        return out
+    bk = min(128, group)
+    _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
+        packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
+        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, num_warps=4)
+    return out

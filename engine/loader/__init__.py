@@ -50,15 +50,14 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     on_cpu = torch.device(device).type == "cpu"
-    if weights in QUANTIZED_AT_LOAD and not on_cpu:
-        raise ValueError(f"weights {weights} runs on the CPU only so far (quantized kernels for the GPU "
-                         "are not there yet)")
+    if weights == "int8" and not on_cpu:
+        raise ValueError("weights int8 runs on the CPU only so far (on the GPU: int4)")
     start = time.perf_counter()
     model = build_model(ckpt.config, dtype=dtype, device=device)
     keep = weights == "auto" and on_cpu and ckpt.quantized_weights is not None
     if weights in QUANTIZED_AT_LOAD:
         keep = True
-        tensors = quantized_at_load(model, ckpt.weights(), QUANTIZED_AT_LOAD[weights])
+        tensors = quantized_at_load(model, ckpt.weights(), QUANTIZED_AT_LOAD[weights], torch.device(device))
     else:
         tensors = ckpt.quantized_weights() if keep else ckpt.weights()
     model.load_weights(tensors)
@@ -74,11 +73,12 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
 
 
 def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]],
-                      bits: int) -> Iterator[tuple[str, Any]]:
+                      bits: int, device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
-    ``bits`` (``linear.quantize_rtn``) where the CPU int4 matmul takes its shape; every other
-    tensor (norms, embeddings, the LM head, routers, MoE experts) as it is."""
-    from ..layers.linear import Linear, cpu_method_fits, quantize_rtn
+    ``bits`` (``linear.quantize_rtn``) where a method on ``device`` takes its shape
+    (``linear.method_fits``); every other tensor (norms, embeddings, routers, MoE experts) as it
+    is."""
+    from ..layers.linear import Linear, method_fits, quantize_rtn
 
     for name, tensor in weights:
         owner, _, attr = name.rpartition(".")
@@ -88,7 +88,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
             module = None
         if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
             q = quantize_rtn(tensor, bits)
-            if q is not None and cpu_method_fits(q):
+            if q is not None and method_fits(q, device):
                 yield name, q
                 continue
         yield name, tensor

@@ -147,10 +147,14 @@ def test_load_parameters_places_quantized_weights_and_refuses_others():
         load_parameters(_Block(), [("proj.weight", random_groups(32, 64, 4, True))])
 
 
-def test_kept_quantized_runs_on_the_cpu_only():
+def test_off_the_cpu_only_4_bit_weights_are_kept_quantized():
+    from ninfer.engine.layers.linear import Int4TritonMethod
+
     lin = Linear(64, 16, bias=False, device="meta")
-    with pytest.raises(ValueError, match="run on the CPU only"):
-        lin.take_quantized("p.weight", random_groups(16, 64, 4, True))
+    lin.take_quantized("p.weight", random_groups(16, 64, 4, True))
+    assert isinstance(lin.method, Int4TritonMethod) and lin.method.packed.shape == (16, 32)
+    with pytest.raises(ValueError, match="only 4-bit weights"):
+        Linear(64, 16, bias=False, device="meta").take_quantized("p.weight", random_groups(16, 64, 8, True))
 
 
 def test_shapes_the_cpu_kernel_cannot_take_are_refused():

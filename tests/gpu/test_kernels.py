@@ -206,9 +206,7 @@ def test_int4_gemv(m, n, k, group, with_offset):
     check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2)
 
 
-@pytest.mark.parametrize("m", [1, 8, 300])
-@pytest.mark.parametrize("tiles", [None, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4},
-                                   {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}])
+@pytest.mark.parametrize("n, k, group", [(5000, 4096, 128), (37, 384, 32)])
 @pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_mm(m, tiles, with_offset):
-    check_int4_gemv("cuda", torch.bfloat16, m, 5000, 4096, 128, with_offset, tiles, 2e-2, kernel="mm")
+def test_int4_dequantize(n, k, group, with_offset):
+    check_int4_gemv("cuda", torch.bfloat16, 1, n, k, group, with_offset, None, 1e-2, kernel="dequantize")

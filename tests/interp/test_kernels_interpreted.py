@@ -248,16 +248,35 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
         int4_gemv_triton(torch.randn(1, 64), pack_int4(torch.zeros(4, 64)), torch.ones(4, 4).half(), None, 32)
 
 
-@pytest.mark.parametrize("m, n, k, group, tiles", [
-    (1, 37, 256, 32, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64}),  # ragged last row and column blocks
-    (20, 48, 256, 64, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),  # split K, two row blocks
-    (5, 16, 128, 128, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}),
-])
+@pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_mm(m, n, k, group, tiles, with_offset):
-    check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, tiles, 1e-5, kernel="mm")
-    from ninfer.engine.layers.quant_gemv_triton import int4_mm_triton, pack_int4
+def test_int4_dequantize(n, k, group, with_offset):
+    check_int4_gemv("cpu", torch.float32, 1, n, k, group, with_offset, None, 1e-6, kernel="dequantize")
 
-    with pytest.raises(ValueError):  # K not a whole number of BLOCK_K chunks per split
-        int4_mm_triton(torch.randn(1, 96), pack_int4(torch.zeros(4, 96)), torch.ones(4, 3).half(), None, 32,
-                       {"BLOCK_K": 64})
+
+@pytest.mark.parametrize("rows", [3, 40])  # decode rows: the GEMV; prompt rows: dequantized blocks, then a GEMM
+def test_int4_triton_method_fused_projections(rows, monkeypatch):
+    """Three projections of one input held 4-bit for the Triton kernels, fused into one method
+    as the model fuses q/k/v: the fused product and each part's equal the dequantized weights'."""
+    from ninfer.engine.layers import linear
+    from ninfer.engine.layers.linear import GroupQuantized, Linear, fuse_methods
+
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 256)  # several row blocks per product
+    torch.manual_seed(0)
+    parts, dense = [], []
+    for out, offset in [(48, True), (16, True), (24, True)]:
+        q = torch.randint(0, 16, (out, 256), dtype=torch.uint8)
+        scale = (torch.rand(out, 4) * 0.02 + 0.001).half().float()
+        off = (torch.rand(out, 4) * -0.1).half().float() if offset else None
+        w = GroupQuantized(q, scale, off, 64, 4, "test")
+        lin = Linear(256, out, bias=False, device="meta")
+        lin.take_quantized("p.weight", w)
+        lin.method = linear.Int4TritonMethod.from_groups(w, torch.device("cpu"))
+        parts.append(lin)
+        dense.append(w.dequantize())
+    fused = fuse_methods([p.method for p in parts])
+    x = torch.randn(rows, 256)
+    want = x @ torch.cat(dense).T
+    assert rel_err(fused(x), want) < 1e-5
+    for lin, w in zip(parts, dense):
+        assert rel_err(lin(x), x @ w.T) < 1e-5

@@ -87,9 +87,10 @@ def test_tiny_qwen3_5_quantized_at_load_stays_near_dense(tiny_qwen, dense_logits
         assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.8
 
 
-def test_quantized_at_load_is_refused_off_the_cpu(tiny_qwen):
+def test_int8_at_load_is_refused_off_the_cpu(tiny_qwen):
+    assert EngineConfig(device="cuda", weights="int4").weights == "int4"
     with pytest.raises(ValueError, match="runs on the CPU only"):
-        EngineConfig(device="cuda", weights="int4")
+        EngineConfig(device="cuda", weights="int8")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model(tiny_qwen, "cuda", torch.bfloat16, "int8")
 

@@ -270,10 +270,10 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
                     tiles: dict | None, tol: float, kernel: str = "gemv") -> None:
-    """The 4-bit GEMV (``kernel`` "gemv") or the tensor-core product ("mm") against ``x @ W.T``
-    with ``W`` the group-quantized weight dequantized."""
+    """The 4-bit GEMV (``kernel`` "gemv") against ``x @ W.T``, or the dequantizing kernel
+    ("dequantize") against ``W``, with ``W`` the group-quantized weight dequantized."""
     from ninfer.engine.layers.linear import GroupQuantized
-    from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, int4_mm_triton, pack_int4
+    from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, pack_int4
 
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale = torch.rand(n, k // group) * 0.1 + 0.01
@@ -284,8 +284,15 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
     o16 = None if offset is None else offset.half()
     ref_w = GroupQuantized(q, s16.float(), None if o16 is None else o16.float(), group, 4, "test").dequantize()
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
-    product = int4_gemv_triton if kernel == "gemv" else int4_mm_triton
-    out = product(x, pack_int4(q).to(device), s16.to(device), None if o16 is None else o16.to(device), group, tiles)
+    if kernel == "dequantize":
+        from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton
+
+        w = torch.empty(n, k + 8, dtype=dtype, device=device)[:, 4:4 + k]  # rows strided
+        w = int4_dequantize_triton(pack_int4(q).to(device), s16.to(device),
+                                   None if o16 is None else o16.to(device), group, w)
+        assert rel_err(w.float(), ref_w.to(device)) < tol
+        return
+    out = int4_gemv_triton(x, pack_int4(q).to(device), s16.to(device), None if o16 is None else o16.to(device), group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
     assert weight.dequantize().shape == (n, k)
