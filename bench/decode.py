@@ -2,10 +2,10 @@
 
     python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
                            [--prefill 512,16384] [--steps 32] [--beside 8] [--no-hf] [--json FILE]
-                           [--set attention_max_splits=32 ...]
+                           [--set attention_max_splits=32 ...] [--weights bf16|int8|int4]
 
 Random bf16 weights at the real shape are made directly on the GPU (no checkpoint); ``--weights
-int4`` then holds every projection 4-bit as the server's ``--weights int4`` does. The run first
+int4`` / ``int8`` then holds them as the server's ``--weights`` does. The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
@@ -102,12 +102,15 @@ BESIDE_REPS = 8  # prompts timed one after another beside the decoders
 
 
 def quantize_(model: torch.nn.Module, bits: int) -> None:
-    """Every projection (``Linear``) held ``bits``-bit as ``--weights int4`` loads it."""
+    """Every projection (``Linear``) held ``bits``-bit and the LM head 8-bit, as ``--weights
+    int4`` loads them on the GPU (``loader.quantized_at_load``)."""
+    from ninfer.engine.layers.embedding import LMHead
     from ninfer.engine.layers.linear import Linear, method_fits, quantize_rtn
 
     for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.weight is not None:
-            q = quantize_rtn(mod.weight.detach(), bits)
+        head = isinstance(mod, LMHead) and not mod.tied
+        if (isinstance(mod, Linear) or head) and mod.weight is not None:
+            q = quantize_rtn(mod.weight.detach(), 8 if head else bits)
             if q is not None and method_fits(q, mod.weight.device):
                 mod.take_quantized(name + ".weight", q)
     torch.cuda.empty_cache()
@@ -430,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a kernel launch setting first, e.g. attention_max_splits=32")
-    p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
-                   help="int4: every projection 4-bit in groups of 128 as --weights int4 holds it (the floor "
-                        "counts the bytes the model holds)")
+    p.add_argument("--weights", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="int8 / int4: every projection quantized, the LM head in int8, as the server's --weights "
+                        "holds them on the GPU (the floor counts the bytes the model holds)")
     args = p.parse_args(argv)
     start_on_gpu(p, args.set)
     if args.gemv == "off":
@@ -444,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shape:
         results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
                                                  prefill_chunk=args.prefill_chunk, beside=args.beside,
-                                                 bits=4 if args.weights == "int4" else None)}
+                                                 bits={"int4": 4, "int8": 8}.get(args.weights))}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

@@ -63,7 +63,6 @@ class EngineConfig:
              "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
-            ("weights", self.weights != "int8" or self.device == "cpu", "runs on the CPU only so far (on the GPU: int4)"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -20,7 +20,7 @@ same groups, summed (at 49152 x 576, 2.0 ms a token on two cores against 4.3 ms 
 dequantized weight).
 
 On the GPU a 4-bit weight is held packed two values a byte with fp16 scales and offsets
-(``Int4TritonMethod``, about 4.25 bits a weight at groups of 128): decode rows (up to
+(``TritonGroupMethod``, about 4.25 bits a weight at groups of 128; an 8-bit one a value a byte): decode rows (up to
 ``GEMV_MAX_ROWS``) run the Triton GEMV that streams the packed weight once
 (``quant_gemv_triton.int4_gemv_triton``); prompt rows dequantize the weight, a block of rows at a
 time into a reused buffer, for a cuBLAS product, whose cost a prompt chunk's GEMM amortises.
@@ -161,24 +161,27 @@ def _dequant_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> tor
     return buf[:numel]
 
 
-class Int4TritonMethod(LinearMethod):
-    """A 4-bit weight for the Triton kernels: ``packed`` ``[out, in / 2]`` (``pack_int4``),
-    ``scale`` and ``offset`` (None: symmetric) fp16 ``[out, in / group]``."""
+class TritonGroupMethod(LinearMethod):
+    """A 4-bit or 8-bit weight for the Triton kernels: ``packed`` ``[out, in / 2]`` uint8
+    (``pack_int4``) or int8 ``[out, in]``, ``scale`` and ``offset`` (None: symmetric) fp16
+    ``[out, in / group]``."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int) -> None:
         super().__init__()
         self.group = group
+        self.bits = 8 if packed.dtype == torch.int8 else 4
         self.out_features = int(packed.shape[0])
-        self.in_features = int(packed.shape[1]) * 2
+        self.in_features = int(packed.shape[1]) * (8 // self.bits)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("offset", offset, persistent=False)
 
     @classmethod
-    def from_groups(cls, w: GroupQuantized, device: torch.device) -> "Int4TritonMethod":
+    def from_groups(cls, w: GroupQuantized, device: torch.device) -> "TritonGroupMethod":
         from .quant_gemv_triton import pack_int4
 
-        return cls(pack_int4(w.q).to(device), w.scale.to(device, torch.float16),
+        held = pack_int4(w.q) if w.bits == 4 else w.q.to(torch.int8).contiguous()
+        return cls(held.to(device), w.scale.to(device, torch.float16),
                    None if w.offset is None else w.offset.to(device, torch.float16), w.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,8 +206,8 @@ class Int4TritonMethod(LinearMethod):
 
 
 def triton_method_fits(w: GroupQuantized) -> bool:
-    """Whether the 4-bit Triton kernels take ``w``: 4-bit values in groups of an even size."""
-    return w.bits == 4 and w.group % 2 == 0
+    """Whether the Triton kernels take ``w``: groups of an even size (4-bit or 8-bit values)."""
+    return w.group % 2 == 0
 
 
 def method_fits(w: GroupQuantized, device: torch.device) -> bool:
@@ -221,9 +224,9 @@ def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
     """The method that runs ``w`` kept quantized on ``device``; a ValueError where none does."""
     if device.type != "cpu":
         if not triton_method_fits(w):
-            raise ValueError(f"{w.kind} weight {tuple(w.shape)}: on {device.type} only 4-bit weights in groups of "
-                             f"an even size are kept quantized ({w.bits}-bit groups of {w.group} are not)")
-        return Int4TritonMethod.from_groups(w, device)
+            raise ValueError(f"{w.kind} weight {tuple(w.shape)}: on {device.type} only weights in groups of an "
+                             f"even size are kept quantized (groups of {w.group} are not)")
+        return TritonGroupMethod.from_groups(w, device)
     if not cpu_method_fits(w):
         raise ValueError(f"{w.kind} weight {tuple(w.shape)} in groups of {w.group}: the CPU int4 matmul "
                          f"needs groups of {INT4_GROUPS} and output rows in multiples of {INT4_ROW_BLOCK}")
@@ -260,7 +263,7 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> GroupQuantized | None:
 def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
     """One method for projections of the same input, outputs concatenated in order; None where
     their kinds or groups differ, or a part before the last is not whole packed blocks."""
-    if all(isinstance(m, Int4TritonMethod) for m in methods):
+    if all(isinstance(m, TritonGroupMethod) for m in methods):
         return _fuse_triton(methods)
     if not all(isinstance(m, Int4CpuMethod) for m in methods):
         return None
@@ -279,12 +282,12 @@ def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
     return fused
 
 
-def _fuse_triton(methods: list[Int4TritonMethod]) -> Int4TritonMethod | None:
+def _fuse_triton(methods: list[TritonGroupMethod]) -> TritonGroupMethod | None:
     first = methods[0]
-    if any(m.group != first.group or m.in_features != first.in_features or
+    if any(m.group != first.group or m.bits != first.bits or m.in_features != first.in_features or
            (m.offset is None) != (first.offset is None) for m in methods):
         return None
-    fused = Int4TritonMethod(torch.cat([m.packed for m in methods]), torch.cat([m.scale for m in methods]),
+    fused = TritonGroupMethod(torch.cat([m.packed for m in methods]), torch.cat([m.scale for m in methods]),
                              None if first.offset is None else torch.cat([m.offset for m in methods]), first.group)
     start = 0
     for m in methods:  # each part's tensors become views of the fused ones, as dense weights do

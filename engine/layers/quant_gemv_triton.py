@@ -1,4 +1,4 @@
-"""Triton GEMV over 4-bit group-quantized weights, for decode rows: ``y = x @ W.T`` with
+"""Triton GEMV over 4-bit (and 8-bit) group-quantized weights, for decode rows: ``y = x @ W.T`` with
 ``W[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]``, the weight streamed once, packed.
 
 Decode is memory bound: a 4-bit weight is a quarter of the bytes of a bf16 one. The packed form
@@ -9,7 +9,9 @@ walks K in ``BLOCK_K`` chunks (a divisor of the group: one scale per row per chu
 chunk of bytes into its two nibbles and multiplies them with the even and odd columns of every
 input row (loaded as one vector and split) (``M`` a compile-time constant, padded to a power of two), so the packed
 weight is read from memory once for all rows; accumulation is fp32, the result cast once. The
-reference is ``x @ GroupQuantized.dequantize().T`` (``tests/interp``, ``tests/gpu``).
+reference is ``x @ GroupQuantized.dequantize().T`` (``tests/interp``, ``tests/gpu``). An 8-bit
+weight (int8 ``[N, K]``, one value a byte) takes the same kernels, its bytes split into even and
+odd columns as the input's are.
 
 Prompt rows are compute bound: ``int4_dequantize_triton`` writes the weight (or a block of its
 rows) out in the activation dtype for a cuBLAS product, a pass over memory that a prompt chunk's
@@ -27,7 +29,7 @@ DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                       G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_OFFSET: tl.constexpr):
+                      HAS_OFFSET: tl.constexpr, BITS: tl.constexpr):
     # BLOCK_K divides the group G: one scale (and offset) per weight row per chunk
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,10 +41,16 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // 2], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
-        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+        if BITS == 4:
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+            q_lo = (b & 15).to(tl.float32)
+            q_hi = (b >> 4).to(tl.float32)
+        else:  # one int8 a byte: the even and odd columns split as the input's are
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 + kk)[None, :]).to(tl.float32)
+            q_lo, q_hi = tl.split(tl.reshape(b, (BLOCK_N, BLOCK_K // 2, 2)))
         s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
-        w_lo = (b & 15).to(tl.float32) * s
-        w_hi = (b >> 4).to(tl.float32) * s
+        w_lo = q_lo * s
+        w_hi = q_hi * s
         if HAS_OFFSET:
             o = tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
             w_lo += o
@@ -66,11 +74,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                      group: int, tiles: dict | None = None) -> torch.Tensor:
-    """``x`` ``[M, K]`` (last dim contiguous), ``packed`` ``[N, K / 2]`` (``pack_int4``), ``scale``
-    and ``offset`` ``[N, K / group]`` (offset None: symmetric) -> ``[M, N]`` in ``x``'s dtype."""
+    """``x`` ``[M, K]`` (last dim contiguous), ``packed`` ``[N, K / 2]`` (``pack_int4``; or int8
+    ``[N, K]``, one value a byte), ``scale`` and ``offset`` ``[N, K / group]`` (offset None:
+    symmetric) -> ``[M, N]`` in ``x``'s dtype."""
     m, k = x.shape
     n = packed.shape[0]
-    if packed.shape[1] * 2 != k or group % 2 or k % group or tuple(scale.shape) != (n, k // group):
+    bits = 8 if packed.dtype == torch.int8 else 4
+    if packed.shape[1] * (8 // bits) != k or group % 2 or k % group or tuple(scale.shape) != (n, k // group):
         raise ValueError(f"int4 gemv: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scales "
                          f"{tuple(scale.shape)} in groups of {group} do not fit")
     if offset is not None and offset.shape != scale.shape:
@@ -88,28 +98,29 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _int4_gemv_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"],
-        BLOCK_K=t["BLOCK_K"], HAS_OFFSET=offset is not None, num_warps=t["num_warps"])
+        BLOCK_K=t["BLOCK_K"], HAS_OFFSET=offset is not None, BITS=bits, num_warps=t["num_warps"])
     return y
 
 
 @triton.jit
 def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                         BITS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rmask = rows < N
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
-    j = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
-    s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
-    lo = (b & 15).to(tl.float32) * s
-    hi = (b >> 4).to(tl.float32) * s
-    if HAS_OFFSET:
-        o = tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
-        lo += o
-        hi += o
-    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     kk = k0 + tl.arange(0, BLOCK_K)
+    s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+    if BITS == 4:
+        j = tl.arange(0, BLOCK_K // 2)
+        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+        w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
+    else:
+        w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
+    w = w * s
+    if HAS_OFFSET:
+        w += tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
     tl.store(w_ptr + rows_in[:, None] * stride_wn + kk[None, :], w.to(w_ptr.dtype.element_ty),
              mask=rmask[:, None])
 
@@ -117,9 +128,10 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
 def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
                            out: torch.Tensor) -> torch.Tensor:
     """``out`` ``[N, K]`` (its dtype, e.g. bf16; rows may be strided) = the weight ``packed``
-    ``[N, K / 2]`` holds, ``scale``/``offset`` ``[N, K / group]``."""
+    ``[N, K / 2]`` (or int8 ``[N, K]``) holds, ``scale``/``offset`` ``[N, K / group]``."""
     n, k = out.shape
-    if packed.shape != (n, k // 2) or tuple(scale.shape) != (n, k // group) or group % 2 or k % group:
+    bits = 8 if packed.dtype == torch.int8 else 4
+    if packed.shape != (n, k * bits // 8) or tuple(scale.shape) != (n, k // group) or group % 2 or k % group:
         raise ValueError(f"int4 dequantize: packed {tuple(packed.shape)}, scales {tuple(scale.shape)} in groups of "
                          f"{group} do not make {tuple(out.shape)}")
     if n == 0:
@@ -127,5 +139,5 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
     bk = min(128, group)
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
-        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, num_warps=4)
+        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)
     return out

@@ -50,8 +50,6 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     on_cpu = torch.device(device).type == "cpu"
-    if weights == "int8" and not on_cpu:
-        raise ValueError("weights int8 runs on the CPU only so far (on the GPU: int4)")
     start = time.perf_counter()
     model = build_model(ckpt.config, dtype=dtype, device=device)
     keep = weights == "auto" and on_cpu and ckpt.quantized_weights is not None
@@ -76,8 +74,10 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
                       bits: int, device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
     ``bits`` (``linear.quantize_rtn``) where a method on ``device`` takes its shape
-    (``linear.method_fits``); every other tensor (norms, embeddings, routers, MoE experts) as it
-    is."""
+    (``linear.method_fits``), and off the CPU the LM head's to 8 bits (sampling reads its logits:
+    4 bits there cost more than they save); every other tensor (norms, embeddings, routers, MoE
+    experts) as it is."""
+    from ..layers.embedding import LMHead
     from ..layers.linear import Linear, method_fits, quantize_rtn
 
     for name, tensor in weights:
@@ -88,6 +88,11 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
             module = None
         if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
             q = quantize_rtn(tensor, bits)
+            if q is not None and method_fits(q, device):
+                yield name, q
+                continue
+        if isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu":
+            q = quantize_rtn(tensor, 8)
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue

@@ -147,14 +147,18 @@ def test_load_parameters_places_quantized_weights_and_refuses_others():
         load_parameters(_Block(), [("proj.weight", random_groups(32, 64, 4, True))])
 
 
-def test_off_the_cpu_only_4_bit_weights_are_kept_quantized():
-    from ninfer.engine.layers.linear import Int4TritonMethod
+def test_off_the_cpu_weights_are_held_for_the_triton_kernels():
+    from ninfer.engine.layers.linear import TritonGroupMethod
 
     lin = Linear(64, 16, bias=False, device="meta")
     lin.take_quantized("p.weight", random_groups(16, 64, 4, True))
-    assert isinstance(lin.method, Int4TritonMethod) and lin.method.packed.shape == (16, 32)
-    with pytest.raises(ValueError, match="only 4-bit weights"):
-        Linear(64, 16, bias=False, device="meta").take_quantized("p.weight", random_groups(16, 64, 8, True))
+    assert isinstance(lin.method, TritonGroupMethod) and lin.method.packed.shape == (16, 32)
+    lin = Linear(64, 16, bias=False, device="meta")
+    lin.take_quantized("p.weight", random_groups(16, 64, 8, False))
+    assert lin.method.bits == 8 and lin.method.packed.dtype == torch.int8 and lin.method.in_features == 64
+    w = random_groups(16, 63, 4, True, group=63)  # groups of an odd size: not for the kernels' byte pairs
+    with pytest.raises(ValueError, match="groups of an even size"):
+        Linear(63, 16, bias=False, device="meta").take_quantized("p.weight", w)
 
 
 def test_shapes_the_cpu_kernel_cannot_take_are_refused():

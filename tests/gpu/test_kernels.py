@@ -208,5 +208,12 @@ def test_int4_gemv(m, n, k, group, with_offset):
 
 @pytest.mark.parametrize("n, k, group", [(5000, 4096, 128), (37, 384, 32)])
 @pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_dequantize(n, k, group, with_offset):
-    check_int4_gemv("cuda", torch.bfloat16, 1, n, k, group, with_offset, None, 1e-2, kernel="dequantize")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_dequantize(n, k, group, with_offset, bits):
+    check_int4_gemv("cuda", torch.bfloat16, 1, n, k, group, with_offset, None, 1e-2, kernel="dequantize", bits=bits)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 2048, 32)])
+def test_int8_gemv(m, n, k, group):
+    check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, False, None, 2e-2, bits=8)

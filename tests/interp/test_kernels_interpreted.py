@@ -250,8 +250,15 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
 
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_dequantize(n, k, group, with_offset):
-    check_int4_gemv("cpu", torch.float32, 1, n, k, group, with_offset, None, 1e-6, kernel="dequantize")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_dequantize(n, k, group, with_offset, bits):
+    check_int4_gemv("cpu", torch.float32, 1, n, k, group, with_offset, None, 1e-6, kernel="dequantize", bits=bits)
+
+
+@pytest.mark.parametrize("m, n, k, group", [(1, 37, 256, 32), (5, 16, 384, 128)])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int8_gemv(m, n, k, group, with_offset):
+    check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, None, 1e-5, bits=8)
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # decode rows: the GEMV; prompt rows: dequantized blocks, then a GEMM
@@ -271,7 +278,7 @@ def test_int4_triton_method_fused_projections(rows, monkeypatch):
         w = GroupQuantized(q, scale, off, 64, 4, "test")
         lin = Linear(256, out, bias=False, device="meta")
         lin.take_quantized("p.weight", w)
-        lin.method = linear.Int4TritonMethod.from_groups(w, torch.device("cpu"))
+        lin.method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
         parts.append(lin)
         dense.append(w.dequantize())
     fused = fuse_methods([p.method for p in parts])

@@ -8,7 +8,8 @@ import torch
 
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.layers.linear import Int4CpuMethod, Linear, quantize_rtn
-from ninfer.engine.loader import load_checkpoint, load_model
+from ninfer.engine.loader import load_checkpoint, load_model, quantized_at_load
+from ninfer.engine.models.registry import build_model
 from ninfer.engine.models.base import ForwardBatch
 from support.tiny import save_tiny_qwen3_5, save_tokenizer
 
@@ -87,12 +88,19 @@ def test_tiny_qwen3_5_quantized_at_load_stays_near_dense(tiny_qwen, dense_logits
         assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.8
 
 
-def test_int8_at_load_is_refused_off_the_cpu(tiny_qwen):
+def test_quantized_at_load_off_the_cpu_holds_the_head_in_8_bits(tiny_qwen):
+    """On the GPU (here the meta device, which builds no kernels) every projection and the LM
+    head are held for the Triton kernels: the projections in ``bits``, the head in 8 bits."""
+    from ninfer.engine.layers.linear import TritonGroupMethod
+
     assert EngineConfig(device="cuda", weights="int4").weights == "int4"
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        EngineConfig(device="cuda", weights="int8")
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        load_model(tiny_qwen, "cuda", torch.bfloat16, "int8")
+    assert EngineConfig(device="cuda", weights="int8").weights == "int8"
+    model = build_model(tiny_qwen.config, dtype=torch.bfloat16, device="meta")
+    model.load_weights(quantized_at_load(model, tiny_qwen.weights(), 4, torch.device("meta")))
+    held = {n: m.method for n, m in model.named_modules() if getattr(m, "method", None) is not None}
+    assert all(isinstance(m, TritonGroupMethod) for m in held.values())
+    assert held["lm_head"].bits == 8 and held["model.layers.0.mlp.down_proj"].bits == 4
+    assert {n for n, m in model.named_modules() if isinstance(m, Linear)} | {"lm_head"} == set(held)
 
 
 def test_moe_shared_expert_quantized_at_load(tmp_path):

@@ -269,30 +269,31 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 
 
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
-                    tiles: dict | None, tol: float, kernel: str = "gemv") -> None:
-    """The 4-bit GEMV (``kernel`` "gemv") against ``x @ W.T``, or the dequantizing kernel
-    ("dequantize") against ``W``, with ``W`` the group-quantized weight dequantized."""
+                    tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
+    """The GEMV over ``bits``-bit groups (``kernel`` "gemv") against ``x @ W.T``, or the
+    dequantizing kernel ("dequantize") against ``W``, with ``W`` the group-quantized weight
+    dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
-    from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, pack_int4
+    from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton, pack_int4
 
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        held = pack_int4(q)
+    else:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        held = q
     scale = torch.rand(n, k // group) * 0.1 + 0.01
     offset = -8 * scale * (0.5 + torch.rand(n, k // group)) if with_offset else None
-    weight = GroupQuantized(q, scale.float(), None if offset is None else offset.float(), group, 4, "test")
-    # the kernel reads fp16 scales: the reference uses the same rounded values
     s16 = scale.half()
     o16 = None if offset is None else offset.half()
-    ref_w = GroupQuantized(q, s16.float(), None if o16 is None else o16.float(), group, 4, "test").dequantize()
-    x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
+    ref_w = GroupQuantized(q, s16.float(), None if o16 is None else o16.float(), group, bits, "test").dequantize()
+    held, s16, o16 = held.to(device), s16.to(device), None if o16 is None else o16.to(device)
     if kernel == "dequantize":
-        from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton
-
         w = torch.empty(n, k + 8, dtype=dtype, device=device)[:, 4:4 + k]  # rows strided
-        w = int4_dequantize_triton(pack_int4(q).to(device), s16.to(device),
-                                   None if o16 is None else o16.to(device), group, w)
+        w = int4_dequantize_triton(held, s16, o16, group, w)
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
-    out = int4_gemv_triton(x, pack_int4(q).to(device), s16.to(device), None if o16 is None else o16.to(device), group, tiles)
+    x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
+    out = int4_gemv_triton(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
-    assert weight.dequantize().shape == (n, k)
