@@ -243,8 +243,11 @@ def fp8_dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor,
     if tuple(scale.shape) != want:
         raise ValueError(f"{name}_scale_inv has shape {tuple(scale.shape)}; a [{out}, {cols}] weight in "
                          f"blocks of {bo} x {bi} needs {want}")
-    full = scale.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :cols]
-    return weight.float() * full
+    scale = scale.float()
+    if out % bo == 0 and cols % bi == 0:  # whole blocks: the scales broadcast over a view
+        blocks = weight.float().view(want[0], bo, want[1], bi)
+        return (blocks * scale[:, None, :, None]).view(out, cols)
+    return weight.float() * scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :cols]
 
 
 def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -276,9 +279,12 @@ class PackedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 ``[out, in]`` value, ``scale[g] * (q - zero[g])`` column by column."""
-        scale = self.scale.index_select(0, self.g_idx).t()
-        zero = self.zero.index_select(0, self.g_idx).t()
-        return scale * (self.q.float() - zero.float())
+        scale, zero = self.scale.t().contiguous(), self.zero.t().float().contiguous()
+        if self.group:  # runs of columns: broadcast over a view
+            out, cols = self.q.shape
+            q = self.q.view(out, cols // self.group, self.group).float()
+            return ((q - zero[..., None]) * scale[..., None]).view(out, cols)
+        return (self.q.float() - zero.index_select(1, self.g_idx)) * scale.index_select(1, self.g_idx)
 
     def group_quantized(self) -> GroupQuantized | None:
         """The same value as a ``GroupQuantized`` weight, or None where its groups are not runs of

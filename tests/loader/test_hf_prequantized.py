@@ -17,7 +17,7 @@ from ninfer.engine.layers.embedding import Embedding
 from ninfer.engine.layers.linear import GroupQuantized, Int4CpuMethod, Linear, quantize_rtn
 from ninfer.engine.loader import load_checkpoint, load_model, placed_quantized
 from ninfer.engine.models.base import ForwardBatch
-from support.tiny import save_tokenizer
+from support.tiny import save_tiny_qwen3_5, save_tokenizer
 
 # the projections a quantizer takes; the GDN's 4-row in_proj_a / in_proj_b, norms, conv1d, the
 # embedding and the head stay as stored, as in Qwen's and gptqmodel's releases
@@ -253,6 +253,25 @@ def test_auto_keeps_them_quantized_on_the_cpu(case):
     else:  # the int4 matmul's bf16 activations and scales: as near as the bf16 model is
         bf16 = logits(load_model(dense, "cpu", torch.bfloat16, "dense")).float()
         assert relative_error(got, want) < max(3 * relative_error(bf16, want), 0.01)
+
+
+def test_moe_experts_are_dequantized_and_the_shared_expert_kept(tmp_path):
+    """A GPTQ MoE (one group a row): the per-expert matrices are dequantized for the experts'
+    stacked weights; the shared expert's projections stay quantized where the int4 matmul takes
+    their rows (gate / up: 64 columns), its 48-column down projection is dequantized."""
+    torch.manual_seed(1)
+    quant, dense = quantized_checkpoint(save_tiny_qwen3_5(tmp_path / "base", moe=True), tmp_path,
+                                        lambda m, w: gptq(w, group=-1), gptq_config(group=-1))
+    ckpt, ref = load_checkpoint(quant), load_checkpoint(dense)
+    want = load_model(ref, "cpu", torch.float32, "dense")
+    assert relative_error(logits(load_model(ckpt, "cpu", torch.float32, "dense")), logits(want)) < 1e-4
+    model = load_model(ckpt, "cpu", torch.float32, "auto")
+    for layer, ref_layer in zip(model.model.layers, want.model.layers):
+        moe, ref_moe = layer.mlp, ref_layer.mlp
+        assert moe.shared_expert.gate_proj.quantized and not moe.shared_expert.down_proj.quantized
+        assert torch.equal(moe.experts.gate_up_proj, ref_moe.experts.gate_up_proj)
+        assert torch.equal(moe.experts.down_proj, ref_moe.experts.down_proj)
+    assert bool(torch.isfinite(logits(model)).all())
 
 
 @pytest.fixture(scope="module")
