@@ -222,7 +222,7 @@ def plan_tensors(names: set[str], quant: QuantConfig) -> QuantPlan:
                 if f"{module}.{part}" not in names:
                     raise ValueError(f"{quant.kind} projection {module!r} has no {module}.{part} tensor")
             parts.update(f"{module}.{p}" for p in known if f"{module}.{p}" in names)
-        elif attr in known + ("scales",) and f"{module}.qweight" not in names:
+        elif attr in known and f"{module}.qweight" not in names:
             raise ValueError(f"checkpoint tensor {name!r} has no {module}.qweight to go with")
     return QuantPlan(anchors, parts, dropped)
 
