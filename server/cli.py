@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
-                   help="how weights are held: auto (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices kept quantized on "
-                        "the CPU, the rest in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
+                   help="how weights are held: auto (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices and GPTQ / AWQ "
+                        "projections kept quantized where a method takes them: on the CPU, 4-bit ones on the GPU; "
+                        "the rest, FP8 ones dequantized, in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")

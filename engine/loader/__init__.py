@@ -8,6 +8,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..layers.embedding import LMHead
+from ..layers.linear import GroupQuantized, Linear, method_fits
 from ..models.base import CausalLM
 from .checkpoint import Checkpoint, GenerationDefaults
 
@@ -41,9 +43,11 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
                weights: str = "auto") -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
-    (``engine_config.WEIGHT_FORMATS``): with "auto" on the CPU a checkpoint's quantized matrices
-    stay quantized (``Checkpoint.quantized_weights``); "int8" / "int4" quantize the projections
-    at load (``quantized_at_load``)."""
+    (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
+    (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0, GPTQ / AWQ
+    projections) stay quantized where a linear method on ``device`` takes them
+    (``placed_quantized``); "int8" / "int4" quantize the projections at load
+    (``quantized_at_load``)."""
     from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
@@ -52,12 +56,14 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     on_cpu = torch.device(device).type == "cpu"
     start = time.perf_counter()
     model = build_model(ckpt.config, dtype=dtype, device=device)
-    keep = weights == "auto" and on_cpu and ckpt.quantized_weights is not None
+    keep = weights == "auto" and ckpt.quantized_weights is not None
     if weights in QUANTIZED_AT_LOAD:
         keep = True
         tensors = quantized_at_load(model, ckpt.weights(), QUANTIZED_AT_LOAD[weights], torch.device(device))
+    elif keep:
+        tensors = placed_quantized(model, ckpt.quantized_weights(), torch.device(device))
     else:
-        tensors = ckpt.quantized_weights() if keep else ckpt.weights()
+        tensors = ckpt.weights()
     model.load_weights(tensors)
     model.eval()
     if torch.device(device).type == "cuda" or keep:
@@ -70,6 +76,36 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     return model
 
 
+def placed_quantized(model: CausalLM, weights: Iterable[tuple[str, Any]],
+                     device: torch.device) -> Iterator[tuple[str, Any]]:
+    """``weights`` with each ``GroupQuantized`` one kept where its module holds it quantized on
+    ``device``: a projection (``Linear``) whose method there takes its bits and groups
+    (``linear.method_fits``), and on the CPU an embedding table (``embedding.py``); every other
+    one (MoE experts, which run dense weights; odd group sizes on the GPU) dequantized here."""
+    dequantized = 0
+    for name, tensor in weights:
+        if isinstance(tensor, GroupQuantized) and not _holds_quantized(model, name, tensor, device):
+            tensor = tensor.dequantize()
+            dequantized += 1
+        yield name, tensor
+    if dequantized:
+        log.info("%d quantized matrices dequantized at load: no method on %s holds them as they are",
+                 dequantized, device.type)
+
+
+def _holds_quantized(model: CausalLM, name: str, w: GroupQuantized, device: torch.device) -> bool:
+    owner, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    if attr != "weight":
+        return False
+    if isinstance(module, Linear) or isinstance(module, LMHead) and device.type != "cpu":
+        return method_fits(w, device)  # (on the CPU a head dequantizes what it takes: embedding.py)
+    return device.type == "cpu" and hasattr(module, "take_quantized")
+
+
 def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]],
                       bits: int, device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
@@ -77,8 +113,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
     (``linear.method_fits``), and off the CPU the LM head's to 8 bits (sampling reads its logits:
     4 bits there cost more than they save); every other tensor (norms, embeddings, routers, MoE
     experts) as it is."""
-    from ..layers.embedding import LMHead
-    from ..layers.linear import Linear, method_fits, quantize_rtn
+    from ..layers.linear import quantize_rtn
 
     for name, tensor in weights:
         owner, _, attr = name.rpartition(".")

@@ -52,6 +52,7 @@ class Checkpoint:
     # the checkpoint declares last-token pooling (Qwen3-Embedding's sentence-transformers files,
     # a GGUF's pooling_type), else "mean"
     pooling: str = "mean"
-    # the same tensors with those of formats that stay quantized on the CPU as ``GroupQuantized``
-    # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices); None when the checkpoint has none
+    # the same tensors with those of formats the linear methods keep quantized as ``GroupQuantized``
+    # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices, GPTQ / AWQ projections whose groups are
+    # runs of consecutive columns); None when the checkpoint has none
     quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None

@@ -4,6 +4,11 @@ Weight names are normalised to what the text models expect: ``model.language_mod
 ``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. Parts we do not run yet (MTP heads,
 vision towers) are skipped and reported once; any other tensor goes to the model's
 ``load_weights``, which rejects what it does not know.
+
+A pre-quantized checkpoint (``quantization_config``: FP8 block-wise, GPTQ, AWQ; ``hf_quant.py``)
+gives each quantized projection as ``P.weight``: dequantized by ``Checkpoint.weights()``, and by
+``Checkpoint.quantized_weights()`` (GPTQ / AWQ) as a ``GroupQuantized`` weight where its groups
+are runs of consecutive columns, for the layers' linear methods (``loader.load_model``).
 """
 from __future__ import annotations
 
@@ -11,13 +16,17 @@ import json
 import logging
 import os
 from collections import Counter
+from contextlib import ExitStack
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from ..layers.linear import GroupQuantized
 from .checkpoint import Checkpoint, GenerationDefaults
+from .hf_quant import FP8_DTYPES, FP8_SCALE, READERS, QuantConfig, QuantPlan, fp8_dequantize, plan_tensors, \
+    read_quant_config
 
 log = logging.getLogger("ninfer.loader")
 
@@ -72,13 +81,59 @@ def _opened(file: str):
             from None
 
 
-def iter_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``."""
-    for file, names in files.items():
-        with _opened(file) as f:
+def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, plan: QuantPlan | None = None,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``.
+
+    In a pre-quantized checkpoint (``quant``, its tensors ``plan``: ``hf_quant.py``) each
+    quantized projection comes once, as ``P.weight``, when its anchor tensor comes: FP8 ones
+    dequantized to fp32; GPTQ / AWQ ones dequantized too, or with ``keep_quantized`` as
+    ``GroupQuantized`` where their groups allow it. The parts of a projection may lie in other
+    shards: every file stays open until the iteration ends.
+    """
+    where = {name: file for file, names in files.items() for name in names}
+    skip = set() if plan is None else plan.parts | plan.dropped
+    anchors = {} if plan is None else plan.anchors
+    dequantized: list[str] = []
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def opened(file: str):
+            if file not in handles:
+                handles[file] = stack.enter_context(_opened(file))
+            return handles[file]
+
+        def get(name: str) -> torch.Tensor | None:
+            file = where.get(name)
+            return None if file is None else opened(file).get_tensor(name)
+
+        for file, names in files.items():
+            f = opened(file)
             for name in names:
-                if skipped_prefix(name) is None:
-                    yield normalise_name(name), f.get_tensor(name)
+                if name in skip or skipped_prefix(name) is not None:
+                    continue
+                module = anchors.get(name)
+                if module is None:
+                    tensor = f.get_tensor(name)
+                    if tensor.dtype in FP8_DTYPES:
+                        raise ValueError(f"{name} is float8 with no {name}_scale_inv"
+                                         + ("" if quant else " and the checkpoint has no quantization_config"))
+                    yield normalise_name(name), tensor
+                    continue
+                if quant.method == "fp8":
+                    weight = fp8_dequantize(name, f.get_tensor(name), get(f"{module}.{FP8_SCALE}"), quant.block)
+                else:
+                    packed = READERS[quant.method](module, get, quant)
+                    weight = packed.group_quantized() if keep_quantized else None
+                    if weight is None:
+                        if keep_quantized:
+                            dequantized.append(module)
+                        weight = packed.dequantize()
+                yield normalise_name(f"{module}.weight"), weight
+    if dequantized:
+        log.info("%d %s projections dequantized at load: their groups are not runs of consecutive input "
+                 "columns (act-order, desc_act) or do not split the row (%s%s)", len(dequantized), quant.kind,
+                 ", ".join(dequantized[:3]), ", ..." if len(dequantized) > 3 else "")
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -124,10 +179,16 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         raise FileNotFoundError(f"no config.json in {path}")
     config = ModelConfig.from_hf_dict(cfg)
 
+    quant = read_quant_config(cfg, path)
     files = weight_files(path)
     skipped = Counter(p for names in files.values() for p in map(skipped_prefix, names) if p)
     for prefix, count in skipped.items():
         log.info("skipping %d tensors under %r (not run by this engine yet)", count, prefix)
+    plan = None
+    if quant is not None:
+        plan = plan_tensors({n for names in files.values() for n in names if skipped_prefix(n) is None}, quant)
+        held = "dequantized at load" if quant.method == "fp8" else "kept quantized where a linear method takes them"
+        log.info("%s checkpoint: %d quantized projections, %s", quant.kind, len(plan.anchors), held)
 
     tokenizer, chat_template = None, None
     if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -138,7 +199,9 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
 
     return Checkpoint(
         config=config,
-        weights=lambda: iter_weights(files),
+        weights=lambda: iter_weights(files, quant, plan),
+        quantized_weights=(lambda: iter_weights(files, quant, plan, keep_quantized=True))
+        if quant is not None and quant.packed else None,
         tokenizer=tokenizer,
         chat_template=chat_template,
         generation=generation_defaults(path, config),
