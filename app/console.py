@@ -2,7 +2,7 @@
 
     serve.sh [options] [-- more ninfer-serve args]
 
-Options: --context N|auto, --concurrency N|auto, --drafts N|auto, --weights bf16|fp8|4bit|...,
+Options: --context N|auto, --concurrency N|auto, --drafts N|auto, --weights bf16|int8|4bit|...,
 --model PATH, --share (all interfaces + API key), --print (show the resolved ninfer-serve
 command, run nothing), --plan (also show the memory plan), --supervise (run under the supervisor:
 restarts, logs, pid file), --open (open the chat once healthy), --stdin-lifetime (stop when stdin

@@ -14,8 +14,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 # bits per quantised matrix weight, scales included (group 128 with a 16-bit scale and zero point
-# for 4-bit; a 16-bit scale per 128-block for 8-bit)
-WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.125, "int8": 8.125, "4bit": 4.25}
+# for 4-bit; a 16-bit scale per 128-block for 8-bit); the formats the server holds weights in
+WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.125, "4bit": 4.25}
 CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB

@@ -39,6 +39,13 @@ class ModelShape:
     mtp_layers: int
     quant_bits: int | None = None  # 4 / 8 when the checkpoint itself is quantised
     gguf: bool = False
+    quant_method: str | None = None  # its quantization_config's quant_method ("gptq", "awq", "fp8")
+
+    @property
+    def dense(self) -> bool:
+        """A checkpoint of dense weights (bf16 / fp16 / fp32 safetensors): what ``--weights
+        int8|int4`` quantizes at load."""
+        return self.quant_bits is None and not self.gguf
 
     @property
     def n_attention(self) -> int:
@@ -127,6 +134,7 @@ def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False
         name=name, config=config, params=count_params(config, gated),
         mtp_params=count_mtp_params(config, mtp, gated), mtp_layers=mtp,
         quant_bits=int(bits) if bits else None, gguf=gguf,
+        quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
     )
 
 

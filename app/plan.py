@@ -61,6 +61,8 @@ class Plan:
     source: str  # "plan" or the preset row's note
     reasons: list[str] = field(default_factory=list)
 
+    quantize: str | None = None  # ninfer-serve --weights for a dense checkpoint quantized at load
+
     @property
     def total(self) -> int:
         return sum(self.parts.values())
@@ -69,8 +71,9 @@ class Plan:
         """ninfer-serve flags. Drafts are computed but not passed: the server has no speculative
         decoding flag yet; pass ``--draft-tokens`` here once it does."""
         s = self.settings
-        return ["--device", self.device.flag, "--max-context", str(s.context), "--max-concurrency", str(s.lanes),
-                "--prefill-chunk", str(s.prefill_chunk), "--kv-capacity", str(s.kv_tokens)]
+        return (["--device", self.device.flag, "--max-context", str(s.context), "--max-concurrency", str(s.lanes),
+                 "--prefill-chunk", str(s.prefill_chunk), "--kv-capacity", str(s.kv_tokens)]
+                + (["--weights", self.quantize] if self.quantize else []))
 
     def describe(self) -> str:
         s = self.settings
@@ -84,11 +87,18 @@ class Plan:
 
 
 def default_weights(shape: ModelShape, device: Device) -> str:
+    """How the server holds the checkpoint as it is (``--weights auto``): GPTQ / AWQ groups stay
+    quantized; FP8 checkpoints are dequantized at load, and GGUF files counted so (a conservative
+    count where their 4-bit matrices stay quantized)."""
     if shape.quant_bits == 4 and not shape.gguf:
         return "4bit"
-    if shape.quant_bits == 8 and not shape.gguf:
-        return "fp8"
-    return "bf16" if device.cuda else "fp32"  # GGUF weights are dequantised to the compute dtype
+    if shape.quant_bits == 8 and not shape.gguf and shape.quant_method != "fp8":
+        return "int8"
+    return "bf16" if device.cuda else "fp32"
+
+
+QUANTIZE_AT_LOAD = ("int8", "4bit")  # what a dense checkpoint can be quantized to when it does not fit
+SERVER_WEIGHTS = {"int8": "int8", "4bit": "int4"}  # ninfer-serve --weights for a dense checkpoint
 
 
 def _fits(shape: ModelShape, device: Device, s: Settings) -> bool:
@@ -125,6 +135,16 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
     elt = 2 if device.cuda else 4
     cap = min(shape.max_context, want.context or shape.max_context)
     reasons: list[str] = []
+    if want.weights in SERVER_WEIGHTS and not shape.dense:
+        raise DoesNotFit(f"{shape.name} is a quantized checkpoint: its weights load as they are stored, and "
+                         f"--weights {want.weights} quantizes dense (bf16 / fp16 / fp32) checkpoints only")
+    if want.weights is None and device.cuda and shape.dense:  # too big as it is: quantized at load
+        for fmt in QUANTIZE_AT_LOAD:
+            if _fits(shape, device, Settings(1, MIN_CONTEXT, PREFILL_LADDER[-1], 0, weights, elt, True)):
+                break
+            reasons.append(f"weights {fmt}: {human(weight_bytes(shape.params, weights, elt))} at {weights} "
+                           f"leaves no room on {device.name}")
+            weights = fmt
     if want.drafts and shape.mtp_layers == 0:
         reasons.append("drafts off: the model has no MTP head")
     base = Settings(lanes=want.lanes or 1, context=MIN_CONTEXT, prefill_chunk=want.prefill_chunk or 512,
@@ -173,7 +193,9 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
 
 
 def _finish(shape: ModelShape, device: Device, s: Settings, source: str, reasons: list[str]) -> Plan:
-    return Plan(shape.name, device, s, footprint(shape, s), margin_bytes(device.total, device.cuda), source, reasons)
+    quantize = SERVER_WEIGHTS.get(s.weights) if shape.dense else None
+    return Plan(shape.name, device, s, footprint(shape, s), margin_bytes(device.total, device.cuda), source, reasons,
+                quantize)
 
 
 def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
@@ -185,8 +207,8 @@ def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
            f"{base.weights}, and {device.name} has {human(device.free)} free "
            f"({human(margin_bytes(device.total, device.cuda))} kept back).")
     options = []
-    for fmt in ("fp8", "4bit"):
-        if fmt == base.weights or weight_bytes(shape.params, fmt, base.elt) >= w or shape.gguf:
+    for fmt in QUANTIZE_AT_LOAD:
+        if fmt == base.weights or weight_bytes(shape.params, fmt, base.elt) >= w or not shape.dense:
             continue
         try:
             p = make_plan(shape, device, Want(lanes=1, weights=fmt))

@@ -143,3 +143,29 @@ def test_shipped_presets_load_and_name_known_shapes():
     signatures = {s.signature for s in SHAPES.values()}
     for row in load_presets():
         assert row.model in signatures, row
+
+
+def test_a_dense_checkpoint_too_big_for_the_card_is_quantized_at_load():
+    """The 9B in bf16 (18 GB) on a 16 GB card: the plan takes int8, then int4, and the server
+    command says so; on a card it fits, bf16 and no --weights flag."""
+    from ninfer.server.cli import build_parser
+
+    plan = make_plan(SHAPES["Qwen3.5-9B"], gpu(16))
+    assert plan.settings.weights in ("int8", "4bit") and any("leaves no room" in r for r in plan.reasons)
+    args = build_parser().parse_args(plan.server_args())
+    assert args.weights == {"int8": "int8", "4bit": "int4"}[plan.settings.weights]
+    assert plan.total + plan.margin <= gpu(16).free
+    roomy = make_plan(SHAPES["Qwen3.5-9B"], gpu(80))
+    assert roomy.settings.weights == "bf16" and "--weights" not in roomy.server_args()
+
+
+def test_quantized_checkpoints_load_as_stored():
+    cfg = dict(KNOWN["Qwen3.5-9B"])
+    gptq = shape_from_dict({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "gptq")
+    fp8 = shape_from_dict({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                          "fp8")
+    plan = make_plan(gptq, gpu(16))
+    assert plan.settings.weights == "4bit" and "--weights" not in plan.server_args()  # auto keeps its groups
+    assert make_plan(fp8, gpu(80)).settings.weights == "bf16"  # dequantized at load: counted in bf16
+    with pytest.raises(DoesNotFit, match="quantized checkpoint"):
+        make_plan(gptq, gpu(80), Want(weights="int8"))
