@@ -213,7 +213,7 @@ class LLMEngine:
             for r in self.scheduler.admitted:
                 r.admitted_time = time.monotonic()
             outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids),
-                                      cached_tokens=r.cached_tokens)
+                                      cached_tokens=r.cached_tokens, queue_time=r.admitted_time - r.arrival)
                         for r in self.scheduler.admitted]
             if not plan:
                 return outputs
