@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = requests(args.streams, args.prompt_tokens, args.output_tokens, cfg.vocab_size, f"{mode}-{i}-",
                             max_context)
             rounds.append(run_to_end(engine, reqs, prof))
-            while engine.idle_work():  # what the server's loop does between requests
+            while engine.caches.grow_host():  # what the server's loop pins once idle for a while
                 pass
             if prof is not None:
                 s = io.StringIO()

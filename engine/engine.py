@@ -60,6 +60,7 @@ class LLMEngine:
         self.counters = EngineCounters()  # read lock-free by /metrics and /stats
         self.grammars: Grammars | None = None  # made for the first request with a grammar
         self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar is being compiled
+        self.last_step = time.monotonic()  # when the last step ended (``idle_work`` waits for quiet)
         if self.device.type == "cuda":
             self.warm_up()
 
@@ -68,6 +69,11 @@ class LLMEngine:
     # are not multiples of 16 (Triton specializes integer arguments on that, and on == 1), block
     # tables one page wide and sixteen, sixteen rows at once
     WARM_UP_ROUNDS = ((37, 64, 20), (1, 45), (16, 32), (5, 6), (8, 8), (250, 6), (2,) * 16)
+    # host memory is pinned while the engine is idle (the driver holds every CUDA call of the
+    # process while it pins: 156 ms for a 256 MiB slab on an H200), and only once the engine has
+    # been idle this long: a conversation's next turn, or an agent's next call, comes as the last
+    # answer ends, and would otherwise find the engine in the middle of a slab
+    IDLE_PIN_AFTER_S = 1.0
 
     def warm_up(self) -> None:
         """Run the kinds of step serving brings before the first request does (``WARM_UP_ROUNDS``).
@@ -93,11 +99,15 @@ class LLMEngine:
             self.caches.prefix.hits_gpu = self.caches.prefix.hits_host = 0
         self.scheduler.stats = type(self.scheduler.stats)()
         self.counters = EngineCounters()  # the warm-up is not the server's work
-        self.caches.grow_host()  # the first slab of host memory, pinned before any request
+        while self.caches.grow_host():  # the host memory kept ahead of need, pinned before any request
+            pass
 
     def idle_work(self) -> bool:
-        """Work that waits for the engine to have none (the loop calls it before it waits for a
-        request, again while it returns True): a slab of host memory pinned ahead of need."""
+        """Work that waits for the engine to have had none for ``IDLE_PIN_AFTER_S`` (the loop calls
+        it before it waits for a request, again while it returns True): a slab of host memory pinned
+        ahead of need, where copies to host have taken some of what was kept ahead."""
+        if time.monotonic() - self.last_step < self.IDLE_PIN_AFTER_S:
+            return False
         return self.caches.grow_host()
 
     # ------------------------------------------------------------------ requests
@@ -188,6 +198,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self.last_step = time.monotonic()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._expire(r) for r in self.scheduler.expired()] + self._compiled()
         if self._ahead is not None:  # launched last step: its plan is this step's
             launched, self._ahead = self._ahead, None
@@ -197,7 +213,7 @@ class LLMEngine:
             for r in self.scheduler.admitted:
                 r.admitted_time = time.monotonic()
             outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids),
-                                      cached_tokens=r.cached_tokens)
+                                      cached_tokens=r.cached_tokens, queue_time=r.admitted_time - r.arrival)
                         for r in self.scheduler.admitted]
             if not plan:
                 return outputs

@@ -22,6 +22,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks for them
     finished: bool = False
     admitted: bool = False  # the one output saying the request has left the queue
+    # on that output: seconds from submission (``Request.arrival``) to admission, by the engine's
+    # clock (the admission reaches the gateway only with the first step's outputs)
+    queue_time: float | None = None
     prompt_processed: int | None = None  # set on progress outputs: prompt tokens now in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None

@@ -122,7 +122,7 @@ class Scheduler:
                 first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
                 need = self.caches.pages_needed(None, first) - (self.caches.shared_pages(start) if start else 0) + decoding
-                if self.caches.free_slots < 1 or (self.running and need > self.caches.room()):
+                if self.caches.free_slots < 1 or (self.running and not self.caches.has_room(need)):
                     return
                 tier = "host" if start is not None and start.host is not None else "gpu"
                 req.cache, req.num_computed = self.caches.open_from(start) if start else (self.caches.open(), 0)

@@ -110,6 +110,8 @@ def first_fault(body: Any, strings: bool = True) -> APIError | None:
                     return invalid(param_of(here), f"a field name in {_named(here)} is not valid Unicode text "
                                    "(it holds a lone UTF-16 surrogate)", "invalid_unicode")
                 stack.append((here, iter(value.items())))
+            elif _PLAIN.issuperset(map(type, value)):  # token ids: nothing to look at, checked in C
+                continue
             else:
                 stack.append((here, enumerate(value)))
             break

@@ -25,7 +25,7 @@ from .state_pool import StateSlotPool
 
 ALIGN = 4096  # extents and the regions inside them start at multiples of this
 SLAB_BYTES = 256 << 20  # host memory is taken in slabs of this size (larger for a larger unit)
-AHEAD_BYTES = 2 << 30  # free room pinned ahead of need (within the budget), while the engine is idle
+AHEAD_BYTES = 2 << 30  # free room pinned ahead of need (within the budget): at start, then while the engine is idle
 
 
 def _round(n: int) -> int:
@@ -45,8 +45,9 @@ class HostArena:
     extents merge with their free neighbours). Pinned slabs (CUDA) take a while to allocate, and
     while the driver pins one no other CUDA call of the process goes on (measured on an H200:
     256 MiB in 156 ms, kernel launches on another thread held the whole time), so with ``ahead``
-    set (CUDA) they are not taken in the middle of serving: ``grow`` adds one while the engine
-    is idle, up to ``ahead`` bytes free, and ``take`` makes a slab itself only for the first one.
+    set (CUDA) they are not taken in the middle of serving: ``grow`` adds one at a time, up to
+    ``ahead`` bytes free (the engine grows them all at start, then one whenever it has been idle
+    for ``LLMEngine.IDLE_PIN_AFTER_S``), and ``take`` makes a slab itself only for the first one.
     Without it (CPU: plain memory) a slab is taken whenever a copy needs one."""
 
     def __init__(self, budget: int, pinned: bool, slab_bytes: int = SLAB_BYTES, ahead: int = 0) -> None:

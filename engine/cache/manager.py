@@ -91,6 +91,11 @@ class CacheManager:
         holds = self.prefix.page_holds()
         return self.kv.num_free + sum(self.kv.holders(p) == n for p, n in holds.items())
 
+    def has_room(self, pages: int) -> bool:
+        """Whether a sequence can have ``pages`` pages (``room``); the pages only checkpoints
+        hold are counted only where the free ones fall short (a walk over every page they hold)."""
+        return self.kv is None or pages <= self.kv.num_free or pages <= self.room()
+
     def idle(self) -> bool:
         """Nothing is held but the padding and the prefix checkpoints (exactly): the device ones'
         pages and slots (with those of their copies to host in flight); host ones hold neither,
@@ -223,7 +228,7 @@ class CacheManager:
 
     def can_restore(self, snap: HostCopy) -> bool:
         """Whether a snapshot's pages fit, counting those only prefix checkpoints hold (given up for it)."""
-        return snap.num_pages <= self.room() and (self.states is None or self.free_slots > 0)
+        return self.has_room(snap.num_pages) and (self.states is None or self.free_slots > 0)
 
     def restore(self, snap: HostCopy) -> PagedSequenceCache:
         cache = self.open()

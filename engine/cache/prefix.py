@@ -5,8 +5,9 @@ pages that cover them (held, shared with whoever continues from it) and, for hyb
 Gated DeltaNet layer's conv and recurrent state at ``n``, copied into a state slot of its own
 (the recurrent state exists only at positions where it was saved: no block grid, no minimum
 length). A new prompt is matched against the checkpoints by longest exact token prefix, shorter
-than the prompt (its last token must run to give logits): a hash chain over whole pages finds
-candidates, the token ids confirm them.
+than the prompt (its last token must run to give logits): a checkpoint is keyed by its length and
+its last ``KEY_TAIL`` ids, so a lookup hashes a few ids per length kept, not the prompt, and the
+ids themselves (compared in C) confirm a candidate.
 
 Two tiers, a checkpoint in exactly one of them. At most ``max_entries`` are on the device; the
 least recently used one goes when its slot or pages are wanted, or for a newer one. It moves to
@@ -37,19 +38,14 @@ from .kv_pool import PagedKVPool
 from .state_pool import StateSlotPool
 
 
-def chain(tokens: list[int], page_size: int, upto: int) -> list[int]:
-    """``chain[i]``: the hash of ``tokens[: i * page_size]`` (``chain[0]`` of nothing), for the
-    whole pages of the first ``upto`` tokens."""
-    out = [0]
-    for i in range(upto // page_size):
-        out.append(hash((out[-1], tuple(tokens[i * page_size : (i + 1) * page_size]))))
-    return out
+KEY_TAIL = 64  # the ids a key is made of, besides the length: those just before the position
 
 
-def key_of(tokens: list[int], length: int, page_size: int, links: list[int]) -> int:
-    """The key of ``tokens[:length]``: its whole pages' chain, then the tokens of its last part."""
-    whole = length // page_size
-    return hash((links[whole], tuple(tokens[whole * page_size : length])))
+def key_of(tokens: list[int], length: int) -> int:
+    """The key of ``tokens[:length]``: its length and its last ``KEY_TAIL`` ids. Prefixes that
+    share both share a key (the newer one keeps it); the cost of a key does not grow with the
+    prefix, which a returning conversation resends whole every turn."""
+    return hash((length, tuple(tokens[max(length - KEY_TAIL, 0) : length])))
 
 
 _order = itertools.count()
@@ -132,7 +128,8 @@ class PrefixCache:
         return holds
 
     def pages_held(self) -> set[int]:
-        return set(self.page_holds())
+        """The pages device checkpoints and copies in flight hold (one set, built in C)."""
+        return set(itertools.chain.from_iterable([e.pages for e in self.entries] + [m[1] for m in list(self._moving)]))
 
     def slots_held(self) -> int:
         """State slots the device checkpoints and copies in flight hold."""
@@ -146,12 +143,8 @@ class PrefixCache:
     def longest(self, tokens: list[int]) -> Checkpoint | None:
         """The longest checkpoint, of either tier, whose ids are a prefix of ``tokens`` and shorter
         than them."""
-        lengths = sorted((n for n in self._lengths if n < len(tokens)), reverse=True)
-        if not lengths:
-            return None
-        links = chain(tokens, self.page_size, lengths[0])
-        for n in lengths:
-            key = key_of(tokens, n, self.page_size, links)
+        for n in sorted((n for n in self._lengths if n < len(tokens)), reverse=True):
+            key = key_of(tokens, n)
             entry = self._entries.get(key) or self._host.get(key)
             if entry is not None and entry.tokens == tokens[:n]:
                 entry.used = next(_order)
@@ -165,7 +158,7 @@ class PrefixCache:
         own. None (nothing kept) when it is on the device already or no slot can be had."""
         if not tokens or self.max_entries < 1:
             return None
-        key = key_of(tokens, len(tokens), self.page_size, chain(tokens, self.page_size, len(tokens)))
+        key = key_of(tokens, len(tokens))
         existing = self._entries.get(key) or self._host.get(key)
         if existing is not None:
             if existing.tokens == tokens and existing.host is None:

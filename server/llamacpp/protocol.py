@@ -28,7 +28,8 @@ def prompt_list(prompt: Union[str, list[Any]]) -> tuple[list[PromptParts], bool]
     batch whose items are each a string or a list of ids and strings."""
     if isinstance(prompt, str):
         return [[prompt]], False
-    if any(isinstance(p, int) for p in prompt) and not any(isinstance(p, list) for p in prompt):
+    kinds = set(map(type, prompt))  # in C: a returning conversation's prompt is 30,000 ids
+    if any(issubclass(k, int) for k in kinds) and not any(issubclass(k, list) for k in kinds):
         return [list(prompt)], False
     prompts = []
     for i, item in enumerate(prompt):

@@ -25,7 +25,8 @@ def prompt_ids(state: ServerState, parts: PromptParts, param: str, framed: bool 
     """The ids of one prompt given as texts and token ids in order (each text tokenized apart).
     ``framed``: a prompt that is one text gets the special tokens the tokenizer puts around an
     input of its own (``Tokenizer.encode_alone``: embeddings)."""
-    texts = [p for p in parts if isinstance(p, str)]
+    kinds = set(map(type, parts))  # in C: a returning conversation's prompt is 30,000 ids
+    texts = [p for p in parts if isinstance(p, str)] if any(issubclass(k, str) for k in kinds) else []
     check_context_floor(state, sum(state.tokenizer.min_tokens(p) for p in texts) + len(parts) - len(texts), param)
     ids: list[int] = []
     if not texts:  # token ids only (a returning conversation's long prompt): checked in one pass
@@ -56,8 +57,17 @@ class PreparedCompletion:
         self.id = "cmpl-" + uuid.uuid4().hex
         self.model = state.model_id
         self.req = req
-        self.prompt_text = text if text is not None else state.tokenizer.decode(ids)
+        self.prompt_text = text  # None until ``decode_prompt``
         self.token_text = TokenText(state.tokenizer)
+        self.workers = state.workers
+
+    async def decode_prompt(self) -> str:
+        """The prompt as text, which the last object of an answer names: decoded on a worker
+        thread when the answer ends, not before the request goes to the engine (the ids of a
+        returning conversation's prompt, 30,000 of them, take milliseconds to decode)."""
+        if self.prompt_text is None:
+            self.prompt_text = await self.workers.run(self.token_text.tokenizer.decode, self.prompt_ids)
+        return self.prompt_text
 
 
 def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
@@ -178,6 +188,7 @@ async def _choice(prep: PreparedCompletion, index: int, outputs: AsyncIterator[R
         logprobs += new_logprobs(out)
         final = out
     assert final is not None and final.finished
+    await prep.decode_prompt()
     return picked(final_body(prep, final, "".join(text), tokens, logprobs, prep.index + index), prep.req.response_fields)
 
 
@@ -215,6 +226,7 @@ async def stream(prep: PreparedCompletion, outputs: list[AsyncIterator[RequestOu
                                 "stop": False, "id_slot": -1, "tokens_predicted": out.completion_tokens,
                                 "tokens_evaluated": out.prompt_tokens, **probabilities(prep, new_logprobs(out))})
             if out.finished:
+                await prep.decode_prompt()
                 yield sse_data(final_body(prep, out, "", [], index=prep.index + i))
     except APIError as exc:
         yield sse_data(exc.body())

@@ -121,8 +121,8 @@ class RequestWatch:
             return
         try:
             now = time.monotonic()
-            if out.admitted and self.admitted_at is None:
-                self.admitted_at = now
+            if out.admitted and self.admitted_at is None:  # when the engine admitted it, where it says
+                self.admitted_at = now if out.queue_time is None else min(now, self.submitted + out.queue_time)
             if out.token_ids:
                 self.tokens += len(out.token_ids)
                 if self.first_token_at is None:

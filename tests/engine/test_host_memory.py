@@ -2,6 +2,9 @@
 the budget; copies of pages and state slots that come back exactly, in parts no larger than a slab."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -102,3 +105,58 @@ def test_the_bytes_a_copy_takes_are_known_before_it_is_taken(state):
         copy = tier.take(pages, state)
         assert copy.nbytes == tier.nbytes(pages, state)
         tier.give(copy)
+
+
+class _SlowPins(HostArena):
+    """Slabs that take ``PIN_S`` each, as pinning one does on a GPU (156 ms for 256 MiB)."""
+
+    PIN_S = 0.4
+
+    def _add(self, nbytes: int, taken: int = 0) -> int:
+        time.sleep(self.PIN_S)
+        return super()._add(nbytes, taken)
+
+
+def test_a_request_sent_as_the_last_one_ends_never_waits_for_a_slab_being_pinned(tmp_path, monkeypatch):
+    """The engine pins host memory only once it has been idle for ``IDLE_PIN_AFTER_S``: a
+    conversation's next turn, sent as the last answer ends, is admitted at once, not after a slab
+    (every CUDA call of the process waits while one is pinned); once the engine is quiet the room
+    kept ahead is pinned."""
+    from ninfer.engine.engine import LLMEngine
+    from ninfer.engine.engine_config import EngineConfig
+    from ninfer.engine.loader import load_checkpoint, load_model
+    from ninfer.engine.loop import EngineLoop
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+    from support.tiny import save_tiny_llama
+
+    monkeypatch.setattr(LLMEngine, "IDLE_PIN_AFTER_S", 0.5)
+    ckpt = load_checkpoint(save_tiny_llama(tmp_path / "ckpt"))
+    eng = LLMEngine(load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer,
+                    EngineConfig(max_context=256, max_concurrency=1, kv_capacity=512, host_cache_mib=64))
+    eng.caches.host.arena = arena = _SlowPins(64 * MIB, pinned=False, slab_bytes=MIB, ahead=3 * MIB)
+    loop = EngineLoop(eng)
+    loop.start()
+    try:
+        admitted_after = []
+        for turn in range(3):
+            done = threading.Event()
+            sent = time.monotonic()
+
+            def sink(out, sent=sent, done=done):
+                if out.admitted:
+                    admitted_after.append(time.monotonic() - sent)
+                if out.finished:
+                    done.set()
+
+            loop.submit(Request(f"turn{turn}", [5 + turn] * 40, SamplingParams(temperature=0.0, max_tokens=4),
+                                max_total_tokens=256), sink)
+            assert done.wait(30)
+        assert max(admitted_after) < _SlowPins.PIN_S / 2  # no turn found a slab being pinned
+        assert arena.allocated == 0
+        deadline = time.monotonic() + 10
+        while arena.allocated < 3 * MIB and time.monotonic() < deadline:  # quiet: the room kept ahead comes
+            time.sleep(0.05)
+        assert arena.allocated == 3 * MIB
+    finally:
+        loop.stop()

@@ -128,6 +128,28 @@ def test_every_request_has_one_start_and_one_terminal(logged):
     assert all(e["sampling"]["n_stop_strings"] == 0 for e in starts)
 
 
+
+def test_the_timings_add_up_and_the_queue_ends_where_the_engine_admits(tmp_path):
+    """``queue`` is the wait before admission by the engine's clock, not until the admission is
+    published (with the first step's outputs): a request admitted at once waits next to nothing
+    while its first step takes 0.3 s, and prepare + queue + prefill (admission to first token)
+    come to the time to first token."""
+    path = tmp_path / "requests.jsonl"
+    state, loop = scripted_state({}, "Hi.", "--request-log-jsonl", str(path))
+    state.engine.loop.engine.model.step_delay = 0.3
+    loop.start()
+    try:
+        with LiveServer(create_app(state)) as server, httpx.Client(base_url=server.base_url, timeout=60) as client:
+            assert client.post("/completion", json={"prompt": "hello", "n_predict": 1}).status_code == 200
+            wait_for(lambda: any(e["event"] == "request_done" for e in events(path)), timeout=10)
+    finally:
+        loop.stop()
+    (done,) = [e for e in events(path) if e["event"] == "request_done"]
+    t = done["timings_seconds"]
+    assert 0 <= t["queue"] < 0.1 and t["prefill"] >= 0.3
+    assert t["prepare"] + t["queue"] + t["prefill"] <= t["ttft"] <= t["prepare"] + t["queue"] + t["prefill"] + 0.1
+
+
 def test_log_path_problems_fail_startup(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         scripted_state({}, "x", "--request-log-jsonl", str(tmp_path / "missing" / "log.jsonl"))
