@@ -3,6 +3,7 @@ costs a decode step.
 
     python -m bench.grammar [--tokenizer qwen|smollm2]
     python -m bench.grammar --engine --shape qwen3.5-0.8b [--batch 8] [--tokens 128]
+    python -m bench.grammar --engine --shape tiny [--batch 8] [--tokens 64] [--profile FILE]
 
 For xgrammar and llguidance: the one-off set-up over the vocabulary, the compile time of a JSON
 schema (nested objects, enums, arrays, optional fields: what SDKs' ``.parse()`` sends) cold and
@@ -12,13 +13,19 @@ a valid document is fed to the matcher token by token. Prints a table.
 ``--engine``: random bf16 weights at a real shape on the GPU with the Qwen tokenizer; ``--batch``
 requests decode ``--tokens`` greedy tokens each, free, then every one held to a grammar (the
 regular expression ``[a-z ]+``: never complete, so both runs have the same length), the engine
-as the server builds it (CUDA graphs for the free rows). Prints decode tok/s of both and their
-ratio.
+as the server builds it (CUDA graphs, decode steps launched ahead). Prints decode tok/s of both,
+their ratio and the wall time per decode step; the difference of the two step times is what the
+grammar costs a step. ``--shape tiny`` (the default without CUDA): a 4-layer Qwen3.5 of width
+64 with the real Qwen vocabulary (248K ids), fp32 on the CPU: the forward is small, so the step
+times are mostly the host's (masks, sampling, the engine's bookkeeping), the part a GPU step
+waits for when it is not overlapped. ``--profile FILE``: one more constrained run under
+``torch.profiler`` (CPU activities), its table by self time written to FILE.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -65,7 +72,16 @@ def _time(fn, repeat: int = 1) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3) -> None:
+TINY = {  # the 0.8B's vocabulary and layer pattern at test-model width: a step is mostly host time
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "tie_word_embeddings": True, "max_position_embeddings": 4096,
+}
+
+
+def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3, profile: str | None = None) -> None:
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.grammar import GrammarSpec
@@ -75,12 +91,15 @@ def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3) -> None:
     from ninfer.engine.sampling_params import SamplingParams
 
     from .decode import DTYPE, _sync, randomize_
+    from ninfer.engine.config import ModelConfig
+
     from .shapes import shape_config
 
     tok = _tokenizer("qwen")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the bench itself
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPE if device == "cuda" else torch.float32
-    model = build_model(shape_config(shape), dtype=dtype, device=device)
+    cfg = ModelConfig.from_hf_dict(TINY) if shape == "tiny" else shape_config(shape)
+    model = build_model(cfg, dtype=dtype, device=device)
     randomize_(model)
     fuse_model_projections(model)
     engine = LLMEngine(model, tok, EngineConfig(max_context=1024, max_concurrency=batch, device=device,
@@ -88,7 +107,7 @@ def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3) -> None:
     spec = GrammarSpec("regex", "[a-z ]+", "guided_regex")
     prompt = tok.encode("Write a long line of lowercase words about the sea. ")
 
-    def run(tag: str, grammar) -> float:
+    def run(tag: str, grammar) -> tuple[float, float]:
         reqs = [Request(f"{tag}{i}", prompt + [i], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
                                                                   grammar=grammar), max_total_tokens=1024)
                 for i in range(batch)]
@@ -101,30 +120,47 @@ def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3) -> None:
                 _sync()
                 started = time.perf_counter()
         _sync()
+        took = time.perf_counter() - started
         assert all(len(r.output_ids) == tokens for r in reqs), [len(r.output_ids) for r in reqs]
-        return batch * (tokens - 1) / (time.perf_counter() - started)
+        if grammar is not None:
+            assert all(re.fullmatch("[a-z ]+", tok.decode(r.output_ids)) for r in reqs)
+        return batch * (tokens - 1) / took, took / (tokens - 1)
 
     run("warm-free", None), run("warm-held", spec)
-    free = max(run(f"free{k}-", None) for k in range(rounds))
-    held = max(run(f"held{k}-", spec) for k in range(rounds))
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    free, free_step = max(run(f"free{k}-", None) for k in range(rounds))
+    held, held_step = max(run(f"held{k}-", spec) for k in range(rounds))
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"{shape}, batch {batch}, {tokens} tokens each, torch {torch.__version__}, {where}\n")
-    print("| rows | decode tok/s | against free |")
-    print("|---|---|---|")
-    print(f"| free | {free:,.0f} | 1.00x |")
-    print(f"| under a grammar | {held:,.0f} | {held / free:.2f}x |")
+    print("| rows | decode tok/s | against free | ms per decode step |")
+    print("|---|---|---|---|")
+    print(f"| free | {free:,.0f} | 1.00x | {free_step * 1e3:.2f} |")
+    print(f"| under a grammar | {held:,.0f} | {held / free:.2f}x | {held_step * 1e3:.2f} |")
+    print(f"\nwhat the grammar adds to a step: {(held_step - free_step) * 1e3:.2f} ms")
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []),
+                      with_stack=False) as prof:
+            run("profiled-", spec)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        with open(profile, "w") as f:
+            f.write(table)
+        print(f"profile of one constrained run: {profile}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", choices=["qwen", "smollm2"], default="qwen")
-    ap.add_argument("--engine", action="store_true", help="the cost of a grammar to decode steps (GPU)")
-    ap.add_argument("--shape", default="qwen3.5-0.8b")
+    ap.add_argument("--engine", action="store_true", help="the cost of a grammar to decode steps")
+    ap.add_argument("--shape", default=None, help="a known shape, or tiny (default: qwen3.5-0.8b on CUDA, else tiny)")
+    ap.add_argument("--profile", default=None, help="--engine: write a torch.profiler table of a constrained run here")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     if args.engine:
-        engine_cost(args.shape, args.batch, args.tokens)
+        shape = args.shape or ("qwen3.5-0.8b" if torch.cuda.is_available() else "tiny")
+        engine_cost(shape, args.batch, args.tokens, profile=args.profile)
         return
 
 
