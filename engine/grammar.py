@@ -7,11 +7,13 @@ request's ``SamplingParams``; the server checks it when the request comes in
 ``Grammars`` compiles it against the vocabulary on a thread of its own (xgrammar, which keeps
 compiled grammars by their source: a schema sent again costs nothing), so a slow schema never holds
 a step; the request joins the scheduler when its grammar is ready. Each constrained request holds a
-``GrammarState`` (its matcher): before a token is drawn the matcher writes the row's allowed ids as
-a bitmask (``GrammarMasks``: the rows of a step filled on several threads into buffers kept
-between steps), which is applied to the logits on the device (``apply_bitmask``), and every
-committed token moves it on. Output that starts inside a reasoning block is free until the block closes; the
-grammar holds from the token after.
+``GrammarState`` (its matcher): before a token is drawn the matchers write their rows' allowed ids
+as bitmasks (``GrammarMasks``: on several threads, into buffers kept between steps), which are
+applied to the logits on the device (``apply_bitmask``), and every committed token moves its
+matcher on. A decode step launched ahead runs its forward before the step it follows has been
+read; its rows under a grammar are drawn once the matchers have taken that step's tokens
+(``runner.py``). Output that starts inside a reasoning block is free until the block closes;
+the grammar holds from the token after.
 
 xgrammar was measured against llguidance on the Qwen vocabulary (``python -m bench.grammar``): a
 mask and a step of the matcher in 10 us a token against 26, a compiled schema cached by the
@@ -231,9 +233,10 @@ class GrammarMasks:
         if not self._host or self._host[0].shape[0] < n or self._host[0].shape[1] != words:
             rows = max(n, self.rows, 2 * self._host[0].shape[0] if self._host else 0)
             cuda = self.device.type == "cuda"
-            self._host = [torch.empty(rows, words, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + cuda)]
+            with torch.inference_mode(False):  # written in and out of inference mode
+                self._host = [torch.empty(rows, words, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + cuda)]
+                self._dev = torch.empty(rows, words, dtype=torch.int32, device=self.device) if cuda else None
             self._copied = [None] * len(self._host)
-            self._dev = torch.empty(rows, words, dtype=torch.int32, device=self.device) if cuda else None
         self._turn = (self._turn + 1) % len(self._host)
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # its copy two steps ago: long done
@@ -249,28 +252,49 @@ class GrammarMasks:
         return self._batch
 
 
-_UNPACKED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+class _Unpacked:
+    """The CPU's mask lookup, per logits dtype: each mask byte's eight additive values (0 where
+    the bit is set, -inf where not) and scratch for a step's worth, kept (a fresh 8 MB a step
+    costs its page faults again)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1  # byte -> its bits, lowest first
+        self.table = torch.where(bits == 1, 0.0, float("-inf")).to(dtype)
+        self.index = torch.empty(0, dtype=torch.int32)
+        self.values = torch.empty(0, 8, dtype=dtype)
+
+    def additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[n, 32 * words]``: 0 at the ids ``mask`` ``[n, words]`` allows, -inf elsewhere."""
+        packed = mask.contiguous().view(torch.uint8).view(-1)
+        if self.index.numel() < packed.numel():
+            with torch.inference_mode(False):  # written in and out of inference mode
+                self.index = torch.empty(packed.numel(), dtype=torch.int32)
+                self.values = torch.empty(packed.numel(), 8, dtype=self.table.dtype)
+        index, values = self.index[: packed.numel()], self.values[: packed.numel()]
+        index.copy_(packed)
+        torch.index_select(self.table, 0, index, out=values)
+        return values.view(mask.shape[0], -1)
+
+
+_UNPACKED: dict[torch.dtype, _Unpacked] = {}
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
     """-inf, in place, at the ids each row of ``logits`` ``[n, V]`` has no bit for in its row of
     ``mask`` ``[n, ceil(V / 32)]`` (on the logits' device). On CUDA xgrammar's kernel; on the CPU
-    each mask byte looked up as eight additive values (0 or -inf) and added, five times faster
-    than xgrammar's CPU loop on Qwen's vocabulary; a NaN that makes (an allowed NaN, or -inf
-    added to +inf) is -inf."""
+    each mask byte looked up as eight additive values (0 or -inf) and added, several times
+    faster than xgrammar's CPU loop on Qwen's vocabulary; a NaN that makes (an allowed NaN, or
+    -inf added to +inf) is -inf."""
     if logits.device.type == "cuda":
         import xgrammar as xgr
 
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1])
         return
-    key = (logits.device, logits.dtype)
-    table = _UNPACKED.get(key)
-    if table is None:
-        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1  # byte -> its bits, lowest first
-        table = _UNPACKED[key] = torch.where(bits == 1, 0.0, float("-inf")).to(logits.dtype)
-    n, vocab = logits.shape
-    add = torch.nn.functional.embedding(mask.contiguous().view(torch.uint8).view(-1).int(), table)
-    logits.add_(add.view(n, -1)[:, :vocab]).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    unpacked = _UNPACKED.get(logits.dtype)
+    if unpacked is None:
+        unpacked = _UNPACKED[logits.dtype] = _Unpacked(logits.dtype)
+    logits.add_(unpacked.additive(mask)[:, : logits.shape[-1]])
+    logits.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def constrain(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
