@@ -4,6 +4,7 @@ costs a decode step.
     python -m bench.grammar [--tokenizer qwen|smollm2]
     python -m bench.grammar --engine --shape qwen3.5-0.8b [--batch 8] [--tokens 128]
     python -m bench.grammar --engine --shape tiny [--batch 8] [--tokens 64] [--rounds 3] [--profile FILE]
+    python -m bench.grammar --sampler [--batch 8]
 
 For xgrammar and llguidance: the one-off set-up over the vocabulary, the compile time of a JSON
 schema (nested objects, enums, arrays, optional fields: what SDKs' ``.parse()`` sends) cold and
@@ -22,7 +23,8 @@ a row on Qwen's 248K ids on a 2-core VM, against 5 us for ``[^0-9]+`` or a JSON 
 ``--shape tiny`` (the default without CUDA): a 4-layer Qwen3.5 of width 64 with the real Qwen
 vocabulary, fp32 on the CPU: the forward is small, so the step times are mostly the host's
 (masks, sampling, the engine's bookkeeping). ``--profile FILE``: one more constrained run under
-``torch.profiler``, its table by self time written to FILE.
+``torch.profiler``, its table by self time written to FILE. ``--sampler``: one sampling call of
+``--batch`` greedy rows on the CPU, free and held to ``[a-z ]+`` and ``[^0-9]+`` (a cheap mask).
 """
 from __future__ import annotations
 
@@ -158,10 +160,55 @@ def engine_cost(shape: str, batch: int, tokens: int, rounds: int = 3, profile: s
         print(f"profile of one constrained run: {profile}")
 
 
+def sampler_cost(batch: int, rounds: int = 25) -> None:
+    """The host time of one ``Sampler.sample`` over ``batch`` rows of Qwen-width fp32 logits on
+    the CPU, free and every row held to a regular expression: the best of ``rounds`` (short
+    calls, so a shared machine's slow spells fall out)."""
+    from ninfer.engine.grammar import Grammars, GrammarSpec
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampler import Sampler
+    from ninfer.engine.sampling_params import SamplingParams
+
+    tok = _tokenizer("qwen")
+    vocab = tok.vocab_size
+    grammars = Grammars(tok, vocab)
+    sampler = Sampler(torch.device("cpu"))
+    wide = torch.randn(batch, TINY["vocab_size"], generator=torch.Generator().manual_seed(0))
+
+    def rows(regex: str | None) -> list:
+        out = []
+        for i in range(batch):
+            r = Request(f"r{i}", [1], SamplingParams(temperature=0.0, max_tokens=8), max_total_tokens=64)
+            if regex is not None:
+                r.grammar = grammars.matcher(grammars.compile(GrammarSpec("regex", regex)).result(), [], True)
+                for t in tok.encode(" the sea"):
+                    r.grammar.accept(t)
+            out.append(r)
+        return out
+
+    kinds = {"free": rows(None), "[a-z ]+": rows("[a-z ]+"), "[^0-9]+": rows("[^0-9]+")}
+    best = dict.fromkeys(kinds, float("inf"))
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, reqs in kinds.items():
+                logits = wide.clone()[:, :vocab]  # the LM head's columns the tokenizer decodes, as the engine's
+                start = time.perf_counter()
+                sampler.sample(logits, reqs).tolist()
+                best[name] = min(best[name], time.perf_counter() - start)
+    grammars.close()
+    print(f"Sampler.sample, {batch} greedy rows of {vocab} fp32 logits, CPU ({torch.get_num_threads()} threads)\n")
+    print("| rows | ms | held - free ms |")
+    print("|---|---|---|")
+    for name, t in best.items():
+        more = "" if name == "free" else f"{(t - best['free']) * 1e3:.2f}"
+        print(f"| {name} | {t * 1e3:.2f} | {more} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", choices=["qwen", "smollm2"], default="qwen")
     ap.add_argument("--engine", action="store_true", help="the cost of a grammar to decode steps")
+    ap.add_argument("--sampler", action="store_true", help="the host cost of a grammar to one sampling call (CPU)")
     ap.add_argument("--shape", default=None, help="a known shape, or tiny (default: qwen3.5-0.8b on CUDA, else tiny)")
     ap.add_argument("--profile", default=None, help="--engine: write a torch.profiler table of a constrained run here")
     ap.add_argument("--batch", type=int, default=8)
@@ -169,6 +216,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="--engine: runs of each kind, the best kept")
     ap.add_argument("--regex", default="[a-z ]+", help="--engine: what the held rows are held to (never complete)")
     args = ap.parse_args()
+    if args.sampler:
+        sampler_cost(args.batch)
+        return
     if args.engine:
         shape = args.shape or ("qwen3.5-0.8b" if torch.cuda.is_available() else "tiny")
         engine_cost(shape, args.batch, args.tokens, args.rounds, profile=args.profile, regex=args.regex)
