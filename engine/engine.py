@@ -51,7 +51,7 @@ class LLMEngine:
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints))
         self.scheduler = Scheduler(config, self.caches)
-        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit)
+        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
@@ -207,6 +207,9 @@ class LLMEngine:
         outputs = [self._expire(r) for r in self.scheduler.expired()] + self._compiled()
         if self._ahead is not None:  # launched last step: its plan is this step's
             launched, self._ahead = self._ahead, None
+            # rows under a grammar: drawn now, the matchers having taken the last step's tokens,
+            # while the device may still be running this step's forward
+            self.runner.sample(launched)
         else:
             plan = self.scheduler.schedule()
             self.counters.scheduled(self.scheduler.admitted, plan)
@@ -254,13 +257,15 @@ class LLMEngine:
         """Launch the decode step that follows ``launched`` before its tokens are read, so the GPU
         goes on while the host reads, detokenizes and publishes. Only when the next step would be
         exactly that: a batched decode step of the same running requests, nobody waiting to be
-        admitted, no sampling that needs the token history or a grammar's next mask, no thinking
-        budget about to force its close tokens, and cache room for one more token."""
+        admitted, no sampling that needs the token history, no thinking budget about to force its
+        close tokens, and cache room for one more token. With rows under a grammar only the
+        forward goes now: the next mask needs the tokens being read, so the step's tokens are
+        drawn at the start of the next ``step`` (``ModelRunner.sample``)."""
         reqs = [r for r, wanted in zip(launched.ready, launched.still_wanted()) if wanted]
         if not (self.overlap and launched.decode and reqs) or self.scheduler.waiting:
             return None
         if len(self.scheduler.running) != len(reqs) or \
-                any(uses_history(r.params) or r.grammar is not None or thinking.may_force_next(r) for r in reqs):
+                any(uses_history(r.params) or thinking.may_force_next(r) for r in reqs):
             return None
         if all(r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens for r in reqs):
             return None  # every one of them ends with the token being read

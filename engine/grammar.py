@@ -7,10 +7,13 @@ request's ``SamplingParams``; the server checks it when the request comes in
 ``Grammars`` compiles it against the vocabulary on a thread of its own (xgrammar, which keeps
 compiled grammars by their source: a schema sent again costs nothing), so a slow schema never holds
 a step; the request joins the scheduler when its grammar is ready. Each constrained request holds a
-``GrammarState`` (its matcher): before a token is drawn the matcher writes the row's allowed ids as
-a bitmask, which is applied to the logits on the device (``constrain``), and every committed token
-moves it on. Output that starts inside a reasoning block is free until the block closes; the
-grammar holds from the token after.
+``GrammarState`` (its matcher): before a token is drawn the matchers write their rows' allowed ids
+as bitmasks (``GrammarMasks``: on several threads, into buffers kept between steps), which are
+applied to the logits on the device (``apply_bitmask``), and every committed token moves its
+matcher on. A decode step launched ahead runs its forward before the step it follows has been
+read; its rows under a grammar are drawn once the matchers have taken that step's tokens
+(``runner.py``). Output that starts inside a reasoning block is free until the block closes;
+the grammar holds from the token after.
 
 xgrammar was measured against llguidance on the Qwen vocabulary (``python -m bench.grammar``): a
 mask and a step of the matcher in 10 us a token against 26, a compiled schema cached by the
@@ -186,20 +189,118 @@ class Grammars:
             return self._compiler
 
 
+class GrammarMasks:
+    """The bitmasks of a step's rows under a grammar (one bit per id: allowed or not), in buffers
+    kept from step to step: on CUDA two pinned host buffers used in turn (one is refilled only
+    once its last copy to the device is done) and one device buffer the copy lands in; on the
+    CPU one buffer. Sized for ``rows`` rows (the engine's concurrency) on first use, grown if a
+    step has more. The matchers fill their rows on several threads (xgrammar's batch matcher):
+    a mask costs from a few microseconds (most JSON states) to over half a millisecond (a
+    regular expression's character class over Qwen's 248K ids) a row."""
+
+    def __init__(self, device: torch.device, rows: int = 8) -> None:
+        self.device = device
+        self.rows = max(1, rows)
+        self._host: list[torch.Tensor] = []
+        self._copied: list[Any] = []  # per host buffer, the event of its last copy (CUDA)
+        self._dev: torch.Tensor | None = None
+        self._turn = 0
+        self._batch: Any = None
+
+    def fill(self, states: Sequence[GrammarState | None], vocab: int) -> torch.Tensor:
+        """``[len(states), ceil(vocab / 32)]`` int32 on the device: row ``i`` the ids
+        ``states[i]`` allows now, every id where it is None. Valid until the next call."""
+        n = len(states)
+        host = self._buffer(n, (vocab + 31) // 32)[:n]
+        held = [i for i, s in enumerate(states) if s is not None]
+        for i, s in enumerate(states):
+            if s is None:
+                host[i].fill_(-1)
+        if len(held) == 1:
+            states[held[0]].matcher.fill_next_token_bitmask(host, held[0])
+        elif held:
+            self._matcher().batch_fill_next_token_bitmask([states[i].matcher for i in held], host, held)
+        if self._dev is None:
+            return host
+        dev = self._dev[:n]
+        dev.copy_(host, non_blocking=True)
+        if self._copied[self._turn] is None:
+            self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
+        return dev
+
+    def _buffer(self, n: int, words: int) -> torch.Tensor:
+        if not self._host or self._host[0].shape[0] < n or self._host[0].shape[1] != words:
+            rows = max(n, self.rows, 2 * self._host[0].shape[0] if self._host else 0)
+            cuda = self.device.type == "cuda"
+            with torch.inference_mode(False):  # written in and out of inference mode
+                self._host = [torch.empty(rows, words, dtype=torch.int32, pin_memory=cuda) for _ in range(1 + cuda)]
+                self._dev = torch.empty(rows, words, dtype=torch.int32, device=self.device) if cuda else None
+            self._copied = [None] * len(self._host)
+        self._turn = (self._turn + 1) % len(self._host)
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # its copy two steps ago: long done
+        return self._host[self._turn]
+
+    def _matcher(self) -> Any:
+        if self._batch is None:
+            import os
+
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max(1, min(8, os.cpu_count() or 1)))
+        return self._batch
+
+
+class _Unpacked:
+    """The CPU's mask lookup, per logits dtype: each mask byte's eight additive values (0 where
+    the bit is set, -inf where not) and scratch for a step's worth, kept (a fresh 8 MB a step
+    costs its page faults again)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1  # byte -> its bits, lowest first
+        self.table = torch.where(bits == 1, 0.0, float("-inf")).to(dtype)
+        self.index = torch.empty(0, dtype=torch.int32)
+        self.values = torch.empty(0, 8, dtype=dtype)
+
+    def additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[n, 32 * words]``: 0 at the ids ``mask`` ``[n, words]`` allows, -inf elsewhere."""
+        packed = mask.contiguous().view(torch.uint8).view(-1)
+        if self.index.numel() < packed.numel():
+            with torch.inference_mode(False):  # written in and out of inference mode
+                self.index = torch.empty(packed.numel(), dtype=torch.int32)
+                self.values = torch.empty(packed.numel(), 8, dtype=self.table.dtype)
+        index, values = self.index[: packed.numel()], self.values[: packed.numel()]
+        index.copy_(packed)
+        torch.index_select(self.table, 0, index, out=values)
+        return values.view(mask.shape[0], -1)
+
+
+_UNPACKED: dict[torch.dtype, _Unpacked] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """-inf, in place, at the ids each row of ``logits`` ``[n, V]`` has no bit for in its row of
+    ``mask`` ``[n, ceil(V / 32)]`` (on the logits' device). On CUDA xgrammar's kernel; on the CPU
+    each mask byte looked up as eight additive values (0 or -inf) and added, several times
+    faster than xgrammar's CPU loop on Qwen's vocabulary; a NaN that makes (an allowed NaN, or
+    -inf added to +inf) is -inf."""
+    if logits.device.type == "cuda":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1])
+        return
+    unpacked = _UNPACKED.get(logits.dtype)
+    if unpacked is None:
+        unpacked = _UNPACKED[logits.dtype] = _Unpacked(logits.dtype)
+    logits.add_(unpacked.additive(mask)[:, : logits.shape[-1]])
+    logits.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def constrain(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
     """Mask, in place, the ids each row's grammar does not allow now (rows whose state is None
-    or does not constrain are left as they are): the bitmask is filled on the host, copied
-    without a wait and applied on the logits' device."""
-    import xgrammar as xgr
-
-    rows = [i for i, s in enumerate(states) if s is not None and s.constrains]
-    if not rows:
-        return
-    vocab = logits.shape[-1]
-    mask = xgr.allocate_token_bitmask(len(rows), vocab)
-    for j, i in enumerate(rows):
-        states[i].matcher.fill_next_token_bitmask(mask, j)
-    if logits.device.type == "cuda":
-        mask = mask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab,
-                                    indices=None if len(rows) == len(states) else rows)
+    or does not constrain are left as they are), with buffers of its own (the engine's sampler
+    keeps a ``GrammarMasks``)."""
+    held = [s if s is not None and s.constrains else None for s in states]
+    if any(s is not None for s in held):
+        apply_bitmask(logits, GrammarMasks(logits.device, len(held)).fill(held, logits.shape[-1]))

@@ -8,7 +8,10 @@ for its batch size; every other step runs eagerly, batched all the same.
 
 A step is *launched* (``launch``) and its tokens *read* later (``Launched.read``): the tokens stay
 on the device until then, so the next decode step can be launched from them (``launch_next``)
-while the host is still busy with this one's.
+while the host is still busy with this one's. A step launched ahead with rows under a grammar
+runs its forward at once but draws its tokens only when ``sample`` is called: by then the host
+has read the step before, moved the matchers on by its tokens and can fill the masks, while the
+device is still running the forward.
 """
 from __future__ import annotations
 
@@ -25,23 +28,29 @@ from .step import build_step
 class Launched:
     """A step on its way: the requests that reach their next token, and those tokens (and the
     log-probabilities of the rows that ask for them), still on the device (copied towards pinned
-    host memory behind an event on CUDA)."""
+    host memory behind an event on CUDA). ``pending``: the logits (and the graph's argmax) of a
+    step whose tokens are not drawn yet (``ModelRunner.sample``)."""
 
-    def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], tokens: torch.Tensor | None,
-                 decode: bool, host: torch.Tensor | None = None, in_place: bool = False,
-                 logprobs: StepLogprobs | None = None, host_logprobs: torch.Tensor | None = None) -> None:
+    def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], decode: bool) -> None:
         self.plan = plan
         self.ready = ready
         self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
-        self.tokens = tokens
+        self.tokens: torch.Tensor | None = None
         self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
-        self.in_place = in_place  # the tokens are where a captured graph reads its next input ids
-        self.logprobs = logprobs
+        self.in_place = False  # the tokens are where a captured graph reads its next input ids
+        self.logprobs: StepLogprobs | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._host = None
         self._host_logprobs = None
         self._event = None
-        if tokens is not None and host is not None:
-            self._host = host[: len(ready)]
+
+    def drawn(self, tokens: torch.Tensor, host: torch.Tensor | None = None, in_place: bool = False,
+              logprobs: StepLogprobs | None = None, host_logprobs: torch.Tensor | None = None) -> None:
+        """The step's tokens (and log-probability table) are on their way: copied towards ``host``
+        (pinned) behind an event on CUDA."""
+        self.tokens, self.in_place, self.logprobs, self.pending = tokens, in_place, logprobs, None
+        if host is not None:
+            self._host = host[: len(self.ready)]
             self._host.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 rows, width = logprobs.table.shape
@@ -57,6 +66,8 @@ class Launched:
 
     def read(self) -> list[int]:
         """The sampled tokens, waiting for this step only (not for steps launched after it)."""
+        if self.pending is not None:
+            raise RuntimeError("a step's tokens are read before they are drawn (ModelRunner.sample)")
         if self.tokens is None:
             return []
         if self._event is None:
@@ -75,14 +86,14 @@ class Launched:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, caches: CacheManager,
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None, max_rows: int = 8) -> None:
         self.model = model
         self.device = device
         self.caches = caches
         # ids the sampler may pick: the first ``vocab`` logits (a checkpoint's LM head may have
         # rows past its tokenizer's last id; None = every row)
         self.vocab = vocab
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
@@ -111,29 +122,47 @@ class ModelRunner:
     def launch_next(self, prev: Launched, reqs: list[Request]) -> Launched:
         """The decode step after ``prev`` (a batched decode step) for ``reqs``, all of them in
         ``prev.ready``: each one's input is the token ``prev`` sampled for it, taken on the device,
-        before the host has read it. The caller has reserved cache room for one more token."""
+        before the host has read it. The caller has reserved cache room for one more token. When
+        a row has a grammar its tokens are drawn later (``sample``), after ``prev``'s have been
+        read and taken by the matchers."""
+        if prev.pending is not None:
+            raise RuntimeError("a step is launched after one whose tokens are not drawn yet")
         rows = [i for i, r in enumerate(prev.ready) if any(r is q for q in reqs)]
         whole = len(rows) == len(prev.ready)
         ids = prev.tokens if whole else prev.tokens[torch.tensor(rows, device=self.device)]
         with torch.inference_mode():
-            return self._launch_decode([(r, 1) for r in reqs], reqs, ids, follow=whole and prev.in_place)
+            return self._launch_decode([(r, 1) for r in reqs], reqs, ids, follow=whole and prev.in_place,
+                                       defer=any(r.grammar is not None for r in reqs))
 
-    def _launch_decode(self, plan, reqs: list[Request], ids: torch.Tensor | None, follow: bool = False) -> Launched:
+    def _launch_decode(self, plan, reqs: list[Request], ids: torch.Tensor | None, follow: bool = False,
+                       defer: bool = False) -> Launched:
         logits, greedy = self._decode(reqs, ids, follow)
         for r in reqs:
             r.num_computed += 1
-        return self._launched(plan, reqs, logits, decode=True, greedy=greedy)
+        return self._launched(plan, reqs, logits, decode=True, greedy=greedy, defer=defer)
 
     def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool,
-                  greedy: torch.Tensor | None = None) -> Launched:
-        if not ready:
-            return Launched(plan, [], None, decode)
-        tokens = self.sampler.sample(logits, ready, greedy)
-        logprobs = self.sampler.logprobs(logits, ready, tokens)
+                  greedy: torch.Tensor | None = None, defer: bool = False) -> Launched:
+        launched = Launched(plan, ready, decode)
+        if ready:
+            launched.pending = (logits, greedy)
+            if not defer:
+                self.sample(launched)
+        return launched
+
+    def sample(self, launched: Launched) -> None:
+        """Draw the tokens of a launched step (its logits still on the device) and start their way
+        to the host; nothing when they are drawn already."""
+        if launched.pending is None:
+            return
+        (logits, greedy), ready = launched.pending, launched.ready
+        with torch.inference_mode():
+            tokens = self.sampler.sample(logits, ready, greedy)
+            logprobs = self.sampler.logprobs(logits, ready, tokens)
         host = self._readback(len(ready))
         host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
-        return Launched(plan, ready, tokens, decode, host, in_place=greedy is not None and tokens is greedy,
-                        logprobs=logprobs, host_logprobs=host_logprobs)
+        launched.drawn(tokens, host, in_place=greedy is not None and tokens is greedy, logprobs=logprobs,
+                       host_logprobs=host_logprobs)
 
     def _readback(self, n: int) -> torch.Tensor | None:
         """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites

@@ -236,15 +236,29 @@ def _exponential_(row: torch.Tensor, generator: torch.Generator | None) -> None:
 
 
 class Sampler:
-    """One token per row of a step's logits, decided on the device."""
+    """One token per row of a step's logits, decided on the device. ``max_rows``: the most rows a
+    step has (the engine's concurrency), what the grammar masks' buffers are sized for."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_rows: int = 8) -> None:
         self.device = device
         self.history = _History(device)
+        self._masks = None  # GrammarMasks, made for the first step with a row under a grammar
+        self._max_rows = max_rows
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     def release(self, req: Request) -> None:
         """Forget a finished request's token history."""
         self.history.release(req)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as a device index tensor, kept for the next step with the same rows."""
+        key = tuple(rows)
+        at = self._indices.get(key)
+        if at is None:
+            if len(self._indices) >= 256:
+                self._indices.clear()
+            at = self._indices[key] = _on(self.device, rows, torch.long)
+        return at
 
     def penalized(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """fp32 logits ``[n, V]`` with each request's penalties (rows without any unchanged)."""
@@ -261,28 +275,62 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of ``logits`` ``[B, V]``, row ``i`` for ``reqs[i]``, as a ``[B]`` tensor
         left on the device. Plain greedy rows take one argmax over the step (``greedy``, where
-        the caller has it already; returned as is when every row is plain greedy); rows under a
-        grammar choose among the ids it allows now."""
+        the caller has it already; returned as is when every row is plain greedy and free); rows
+        under a grammar choose among the ids it allows now (the masks filled on the host now:
+        the matchers must have taken every token before this step's). A plain greedy row under
+        a grammar is the argmax of its masked logits, in their own dtype (in place when the whole
+        step is such rows and none asks for log-probabilities); the others go through the fp32
+        chain (penalties, bias, filters) with the mask applied after the penalties and bias."""
+        held = [constrained(r) and not r.is_finished for r in reqs]  # a finished row's token is dropped
+        rows = [i for i, r in enumerate(reqs) if not _plain_greedy(r.params)]
+        mask = None
+        if any(held):
+            if self._masks is None:
+                from .grammar import GrammarMasks
+
+                self._masks = GrammarMasks(self.device, self._max_rows)
+            mask = self._masks.fill([r.grammar if h else None for r, h in zip(reqs, held)], logits.shape[-1])
+            fast = [i for i, h in enumerate(held) if h and _plain_greedy(reqs[i].params)]
+            if fast:
+                greedy = self._held_argmax(logits, reqs, fast, mask, greedy)
         if greedy is None:
             greedy = torch.argmax(logits, dim=-1)
-        rows = [i for i, r in enumerate(reqs) if not _plain_greedy(r.params) or constrained(r)]
         if not rows:
             return greedy
-        reqs = [reqs[i] for i in rows]
-        at = _on(self.device, rows, torch.long)
-        x = self._bias_(self._penalize_(logits[at].float(), reqs), reqs).nan_to_num_(nan=float("-inf"))  # a copy
-        if any(constrained(r) for r in reqs):
-            from .grammar import constrain
+        whole = len(rows) == len(reqs)
+        at = self._index(rows)
+        reqs_at = [reqs[i] for i in rows]
+        x = self._bias_(self._penalize_(logits[at].float(), reqs_at), reqs_at).nan_to_num_(nan=float("-inf"))  # a copy
+        if mask is not None and any(held[i] for i in rows):
+            from .grammar import apply_bitmask
 
-            constrain(x, [r.grammar for r in reqs])
+            apply_bitmask(x, mask if whole else mask[at])
+        reqs = reqs_at
         chosen = torch.argmax(x, dim=-1)  # right for the greedy rows with penalties
         for ranked in (True, False):
             group = [i for i, r in enumerate(reqs) if not r.params.greedy and _ranked(r.params, x.shape[-1]) == ranked]
             if group:
-                where = _on(self.device, group, torch.long)
+                where = self._index(group)
                 chosen[where] = self._draw(x[where], [reqs[i] for i in group], ranked)
         tokens = greedy.clone()
         tokens[at] = chosen.to(tokens.dtype)
+        return tokens
+
+    def _held_argmax(self, logits: torch.Tensor, reqs: list[Request], fast: list[int], mask: torch.Tensor,
+                     greedy: torch.Tensor | None) -> torch.Tensor:
+        """The step's greedy tokens with the rows ``fast`` (plain greedy, under a grammar) taken as
+        the argmax of their masked logits (NaN as -inf, as the fp32 chain reads it)."""
+        from .grammar import apply_bitmask
+
+        if len(fast) == len(reqs) and all(r.params.logprobs is None for r in reqs):
+            # nothing reads these logits after the draw (the graph's output, rewritten by its next replay)
+            apply_bitmask(logits.nan_to_num_(nan=float("-inf")), mask)
+            return torch.argmax(logits, dim=-1)
+        at = self._index(fast)
+        x = logits[at].nan_to_num_(nan=float("-inf"))  # a copy, in the logits' dtype
+        apply_bitmask(x, mask[at])
+        tokens = (torch.argmax(logits, dim=-1) if greedy is None else greedy).clone()
+        tokens[at] = torch.argmax(x, dim=-1).to(tokens.dtype)
         return tokens
 
     def _bias_(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
