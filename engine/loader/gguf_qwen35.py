@@ -88,8 +88,10 @@ def block_hf_name(rest: str) -> str | None:
     return None
 
 
-def hf_config_dict(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
-    """An HF ``config.json``-style dict for a ``qwen35`` / ``qwen35moe`` GGUF."""
+def hf_config_dict(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """An HF ``config.json``-style dict for a ``qwen35`` / ``qwen35moe`` GGUF; ``tensors`` maps
+    names to ``ReaderTensor`` or to their GGUF-order dims, and a metadata array may be given as
+    its length (``app/model_info.py`` reads the header alone)."""
     arch = meta["general.architecture"]
     missing_keys: list[str] = []
 
@@ -127,8 +129,10 @@ def hf_config_dict(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> di
     inner = int(key("ssm.inner_size"))
     if inner % v_heads:
         raise ValueError(f"GGUF ssm.inner_size {inner} does not split into {v_heads} value heads")
-    vocab = int(tensors["token_embd.weight"].shape[1])
-    declared = key("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or vocab)
+    embd = tensors["token_embd.weight"]
+    vocab = int((embd.shape if isinstance(embd, ReaderTensor) else embd)[1])
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    declared = key("vocab_size", (tokens if isinstance(tokens, int) else len(tokens)) or vocab)
     if int(declared) != vocab:
         raise ValueError(f"GGUF vocab size {declared} does not match token_embd rows {vocab}")
     scaling = key("rope.scaling.type", "none")

@@ -67,6 +67,15 @@ def test_config_from_metadata(dense):
     assert cfg.vocab_size == hf.vocab_size and not cfg.tie_word_embeddings
 
 
+def test_model_info_reads_the_header(dense):
+    from ninfer.app.model_info import shape_from_gguf
+
+    model, path = dense
+    shape = shape_from_gguf(path)
+    assert shape.config.model_type == "qwen3_5" and shape.config.layer_types == model.config.layer_types
+    assert shape.params.total == sum(p.numel() for p in model.parameters())
+
+
 def test_f32_file_gives_the_transformers_logits(dense):
     model, path = dense
     ckpt = load_gguf(path)
