@@ -8,8 +8,10 @@ these tensors on the way in; each is undone here:
   ``attn_k_norm``, ``output_norm``) is stored with the zero-centred norm's ``+1`` folded in; the GDN
   output norm (``ssm_norm``) is not;
 - ``A_log`` is stored as ``ssm_a = -exp(A_log)``; ``dt_bias`` as ``ssm_dt.bias``;
-- the depthwise conv weight ``[C, 1, K]`` is squeezed to ``[C, K]`` (as is every size-1 dim, so
-  the shared expert's gate ``[1, H]`` comes as ``[H]``);
+- the depthwise conv weight ``[C, 1, K]`` is squeezed to ``[C, K]`` (older converters squeezed
+  every tensor, so the shared expert's gate ``[1, H]`` may come as ``[H]``);
+- with ``--fuse-gate-up-exps`` the experts' gate and up come as one ``ffn_gate_up_exps``
+  ``[E, 2I, H]``, gate rows first, which is already the model's ``experts.gate_up_proj``;
 - where the GDN has fewer key heads than value heads, the value heads are reordered from grouped
   by key head (HF: ``[k0v0, k0v1, k1v0, k1v1]``) to tiled (``[k0v0, k1v0, k0v1, k1v1]``): the V
   rows of ``in_proj_qkv`` and of the conv weight, the rows of ``in_proj_z`` / ``in_proj_b`` /

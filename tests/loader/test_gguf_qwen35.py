@@ -94,6 +94,13 @@ def test_moe_f32_file_gives_the_transformers_logits(moe):
     assert (got - hf_logits(model, IDS)).abs().max() < 1e-4
 
 
+def test_moe_with_fused_gate_up_experts(tmp_path, moe):
+    model, _ = moe
+    path = write_qwen35_gguf(tmp_path / "fused.gguf", model, fuse_experts=True)
+    got = logits(load_model(load_gguf(path), "cpu", torch.float32, "dense"), IDS)
+    assert (got - hf_logits(model, IDS)).abs().max() < 1e-4
+
+
 def test_mtp_blocks_are_skipped(tmp_path, dense):
     """A file that keeps the MTP block appends it as block 4, counted in block_count and in
     nextn_predict_layers; the model is the 4 layers before it."""

@@ -3,7 +3,8 @@
 
 ``to_gguf_tensors`` applies the converter's transforms to the HF state dict (written from its
 description, independently of the loader that undoes them): norms ``+1`` (not the GDN's),
-``A_log -> -exp(A_log)``, ``dt_bias -> ssm_dt.bias``, every size-1 dim squeezed, value heads from
+``A_log -> -exp(A_log)``, ``dt_bias -> ssm_dt.bias``, the conv weight squeezed (older converters
+squeezed every tensor: the loader takes the shared expert's gate either way), value heads from
 grouped to tiled order, MoE experts split into ``ffn_gate_exps`` / ``ffn_up_exps``.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _tile(t: torch.Tensor, dim: int, num_k: int, num_v: int, head_dim: int) -> t
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def to_gguf_tensors(model) -> dict[str, torch.Tensor]:
+def to_gguf_tensors(model, fuse_experts: bool = False) -> dict[str, torch.Tensor]:
     cfg = model.config
     arch = gguf.MODEL_ARCH.QWEN35MOE if getattr(cfg, "num_experts", 0) else gguf.MODEL_ARCH.QWEN35
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -83,7 +84,9 @@ def to_gguf_tensors(model) -> dict[str, torch.Tensor]:
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + 1
         parts = [(name, t)]
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if name.endswith("mlp.experts.gate_up_proj") and fuse_experts:  # --fuse-gate-up-exps
+            parts = [(name + ".weight", t)]
+        elif name.endswith("mlp.experts.gate_up_proj"):
             half = t.shape[1] // 2
             base = name.removesuffix(".gate_up_proj")
             parts = [(base + ".gate_proj.weight", t[:, :half]), (base + ".up_proj.weight", t[:, half:])]
@@ -92,7 +95,7 @@ def to_gguf_tensors(model) -> dict[str, torch.Tensor]:
         for hf, w in parts:
             gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert gname is not None, hf
-            out[gname] = w.squeeze().contiguous()
+            out[gname] = (w.squeeze() if "conv1d" in hf else w).contiguous()
     return out
 
 
@@ -145,7 +148,7 @@ def _merges(tokenizer) -> list[tuple[str, str]]:
 
 def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
                       drop: tuple[str, ...] = (), extra: dict[str, Any] | None = None,
-                      extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+                      extra_tensors: dict[str, np.ndarray] | None = None, fuse_experts: bool = False) -> Path:
     """The GGUF file of ``model``: F32 tensors, or F16 / ``qtype`` projections where their rows
     split into whole blocks; ``drop``: tensors left out; ``extra``: metadata over the derived
     (None: left out); ``extra_tensors``: more F32 tensors, written last."""
@@ -166,7 +169,7 @@ def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
             writer.add_array(key, value)
         else:
             writer.add_bool(key, value)
-    for name, t in to_gguf_tensors(model).items():
+    for name, t in to_gguf_tensors(model, fuse_experts).items():
         if name in drop:
             continue
         array = t.numpy()
