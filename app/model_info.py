@@ -142,6 +142,16 @@ def shape_from_gguf(path: Path, name: str | None = None) -> ModelShape:
     """Shapes from GGUF metadata; the parameter count is the sum of the tensors' element counts."""
     meta, tensors = read_gguf_header(path)
     arch = meta.get("general.architecture", "llama")
+    if arch in ("qwen35", "qwen35moe"):
+        from ..engine.loader import gguf_qwen35  # torch and gguf: only for these files
+
+
+        shape = shape_from_dict(gguf_qwen35.hf_config_dict(meta, tensors), name or path.stem, gguf=True)
+        mtp = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+        total = sum(math.prod(dims) for n, dims in tensors.items()
+                    if not n.startswith(tuple(f"blk.{shape.config.num_hidden_layers + i}." for i in range(mtp))))
+        emb = shape.params.embeddings
+        return ModelShape(shape.name, shape.config, ParamCounts(total - emb, emb, 0), shape.mtp_params, 0, gguf=True)
 
     def key(k: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{k}", default)

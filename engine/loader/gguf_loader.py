@@ -1,4 +1,7 @@
-"""Read a llama-architecture GGUF file: metadata -> ``ModelConfig``, tensors -> HF-named fp32 tensors.
+"""Read a GGUF file: metadata -> ``ModelConfig``, tensors -> HF-named fp32 tensors.
+
+Architectures: ``llama`` (here) and Qwen3.5's ``qwen35`` / ``qwen35moe`` (``gguf_qwen35.py``, which
+undoes llama.cpp's converter for those).
 
 Tensors are dequantised one at a time when ``Checkpoint.weights()`` is iterated (``gguf.quants``
 handles F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants and the IQ types). GGUF stores dims
@@ -26,9 +29,10 @@ from gguf.quants import dequantize
 from ..config import ModelConfig, UnsupportedModelError
 from ..layers.linear import GroupQuantized, cpu_method_fits
 from .checkpoint import Checkpoint, GenerationDefaults
+from . import gguf_qwen35
 from .gguf_quant import KEPT_QUANTIZED, group_quantized
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", *gguf_qwen35.ARCHITECTURES)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
 
 _GLOBAL_NAMES = {
@@ -210,13 +214,15 @@ def _llama3_rope_scaling(freq_factors: np.ndarray, head_dim: int, base: float) -
 
 
 def hf_config_dict(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
-    """An HF ``config.json``-style dict for a llama GGUF."""
+    """An HF ``config.json``-style dict for a llama or Qwen3.5 GGUF."""
     arch = meta.get("general.architecture", "<missing>")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; GGUF loading supports: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    if arch in gguf_qwen35.ARCHITECTURES:
+        return gguf_qwen35.hf_config_dict(meta, tensors)
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -287,17 +293,30 @@ def generation_defaults(meta: dict[str, Any]) -> GenerationDefaults:
 
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
-    """A ``Checkpoint`` for a llama GGUF file; tensors are dequantised only when iterated.
+    """A ``Checkpoint`` for a llama or Qwen3.5 GGUF file; tensors are dequantised only when iterated.
 
-    Raises ``UnsupportedModelError`` for another architecture, a tensor layout other than a dense
-    llama, or a tokenizer kind that cannot be rebuilt.
+    Raises ``UnsupportedModelError`` (a ``ValueError``) for another architecture, tensors the model
+    does not use, or a tokenizer kind that cannot be rebuilt; ``ValueError`` for missing tensors.
     """
     path = os.fspath(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_hf_dict(hf_config_dict(meta, tensors))
-    _check_tensors(tensors, config.num_hidden_layers)
+    if meta["general.architecture"] in gguf_qwen35.ARCHITECTURES:
+        gguf_qwen35.check_tensors(tensors, config)
+
+        def weights(keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+            def load(tensor: ReaderTensor) -> torch.Tensor | GroupQuantized:
+                kept = kept_quantized(tensor) if keep_quantized else None
+                return tensor_to_torch(tensor) if kept is None else kept
+
+            return gguf_qwen35.iter_weights(reader.tensors, config, load, tensor_to_torch)
+    else:
+        _check_tensors(tensors, config.num_hidden_layers)
+
+        def weights(keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+            return iter_weights(reader, config, keep_quantized)
 
     tokenizer = None
     if "tokenizer.ggml.model" in meta:
@@ -309,8 +328,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     pooling = "last" if meta.get(f"{meta.get('general.architecture')}.pooling_type") == 3 else "mean"
     return Checkpoint(
         config=config,
-        weights=lambda: iter_weights(reader, config),
-        quantized_weights=lambda: iter_weights(reader, config, keep_quantized=True),
+        weights=lambda: weights(False),
+        quantized_weights=lambda: weights(True),
         tokenizer=tokenizer,
         chat_template=template if isinstance(template, str) else None,
         generation=generation_defaults(meta),

@@ -26,6 +26,8 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _REST
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _REST
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen3.5: combining marks join letters
 _DIGIT = r"\p{N}"
 
 # tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges), following llama.cpp
@@ -38,6 +40,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_LLAMA3,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
     **{name: ((_LLAMA3,), False) for name in ("dbrx", "smaug-bpe")},
     **{name: ((_QWEN2,), False) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez")},
+    "qwen35": ((_QWEN35,), False),
 }
 
 
