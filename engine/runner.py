@@ -29,10 +29,16 @@ class Launched:
 
     def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], tokens: torch.Tensor | None,
                  decode: bool, host: torch.Tensor | None = None, in_place: bool = False,
-                 logprobs: StepLogprobs | None = None, host_logprobs: torch.Tensor | None = None) -> None:
+                 logprobs: StepLogprobs | None = None, host_logprobs: torch.Tensor | None = None,
+                 widths: list[int] | None = None) -> None:
         self.plan = plan
         self.ready = ready
-        self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
+        # per ready request, its tokens in ``tokens``: 1, or 1 + k where it verifies a draft of k
+        # (``drafts``: those k, as they were run); None: one each
+        self.widths = widths
+        self.drafts = None if widths is None else [r.draft[: w - 1] for r, w in zip(ready, widths)]
+        # where each (first) sampled token goes in its sequence
+        self.slots = [r.num_computed - (w - 1) for r, w in zip(ready, widths or [1] * len(ready))]
         self.tokens = tokens
         self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
         self.in_place = in_place  # the tokens are where a captured graph reads its next input ids
@@ -41,7 +47,7 @@ class Launched:
         self._host_logprobs = None
         self._event = None
         if tokens is not None and host is not None:
-            self._host = host[: len(ready)]
+            self._host = host[: tokens.shape[0]]
             self._host.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 rows, width = logprobs.table.shape
@@ -56,7 +62,8 @@ class Launched:
         return [not r.is_finished and r.num_tokens == slot for r, slot in zip(self.ready, self.slots)]
 
     def read(self) -> list[int]:
-        """The sampled tokens, waiting for this step only (not for steps launched after it)."""
+        """The sampled tokens (a verifying row's ``1 + k`` in a run), waiting for this step only
+        (not for steps launched after it)."""
         if self.tokens is None:
             return []
         if self._event is None:
@@ -125,15 +132,16 @@ class ModelRunner:
         return self._launched(plan, reqs, logits, decode=True, greedy=greedy)
 
     def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool,
-                  greedy: torch.Tensor | None = None) -> Launched:
+                  greedy: torch.Tensor | None = None, widths: list[int] | None = None) -> Launched:
         if not ready:
             return Launched(plan, [], None, decode)
-        tokens = self.sampler.sample(logits, ready, greedy)
-        logprobs = self.sampler.logprobs(logits, ready, tokens)
-        host = self._readback(len(ready))
+        rows = ready if widths is None else [r for r, w in zip(ready, widths) for _ in range(w)]
+        tokens = self.sampler.sample(logits, rows, greedy)
+        logprobs = self.sampler.logprobs(logits, rows, tokens)
+        host = self._readback(len(rows))
         host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
         return Launched(plan, ready, tokens, decode, host, in_place=greedy is not None and tokens is greedy,
-                        logprobs=logprobs, host_logprobs=host_logprobs)
+                        logprobs=logprobs, host_logprobs=host_logprobs, widths=widths)
 
     def _readback(self, n: int) -> torch.Tensor | None:
         """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites
@@ -165,7 +173,7 @@ class ModelRunner:
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
         """Any step, eager: one forward over every row, the logits of the rows that reach their
-        next token only; embedding requests' hidden rows to their ``Pooled`` (an embedding
+        next token only (of every position of a row that verifies a draft); embedding requests' hidden rows to their ``Pooled`` (an embedding
         request never decodes, so it is never in a decode step)."""
         step = build_step(plan, self.caches, self.device)
         hidden = self.model(step.input_ids, step.batch)
@@ -176,7 +184,7 @@ class ModelRunner:
             at += n
             req.num_computed += n
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
-        return self._launched(plan, step.sampled, logits, decode=False)
+        return self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:
