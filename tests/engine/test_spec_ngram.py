@@ -243,3 +243,16 @@ def test_the_embedded_model_copies_a_code_block_with_drafts_kept(smollm2, batch)
     fast, counters = embedded_run(smollm2, "ngram", batch)
     assert fast == plain
     assert counters.spec_accepted_tokens >= counters.spec_rounds > 0  # at least one a round on average
+
+
+def test_qwen3_greedy_outputs_are_unchanged(tmp_path):
+    """Qwen3 (attention only, per-head q/k norms) speculates as Llama does."""
+    from ninfer.engine.loader import load_model
+    from support.tiny import save_tiny_qwen3
+
+    ckpt = load_checkpoint(save_tiny_qwen3(tmp_path / "qwen3"))
+    parts = (load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer)
+    specs = {i: {"max_tokens": 40} for i in range(3)}
+    plain, _ = drive(parts, False, specs, arrivals={2: (0, 6)})
+    fast, _, counters = spec_drive(parts, specs, arrivals={2: (0, 6)})
+    assert fast == plain and counters.spec_rounds > 0
