@@ -5,8 +5,9 @@ Before a step, the scheduler asks ``Drafter.propose`` for each decoding request 
 speculate (``speculates``): up to ``draft_tokens`` tokens that followed the latest earlier place
 where the sequence's last ``ngram_max`` .. ``ngram_min`` tokens (prompt and output) occur, the
 longest such n-gram first. A request with a draft runs as a row of ``1 + k`` tokens (its last
-sampled token and the ``k`` drafts) in the step's one forward, and the logits of every one of
-those positions are sampled (``step.build_step``). ``accepted`` then keeps the longest prefix
+sampled token and the ``k`` drafts) in the step's one forward, laid out as one decode row per
+position over the same pages (``step.build_step``: each position computed exactly as a one-token
+step computes it), and the logits of every one of those positions are sampled. ``accepted`` then keeps the longest prefix
 of drafts equal to the model's own greedy tokens, and the model's token after it: each round
 commits ``accepted + 1`` tokens, exactly those that one-token steps would have produced. The KV
 of the rejected positions is discarded by setting ``num_computed`` back (the engine's
