@@ -68,8 +68,9 @@ class Plan:
         return sum(self.parts.values())
 
     def server_args(self) -> list[str]:
-        """ninfer-serve flags. Drafts are computed but not passed: the server has no speculative
-        decoding flag yet; pass ``--draft-tokens`` here once it does."""
+        """ninfer-serve flags. Drafts are computed but not passed: they are MTP drafts, which the
+        server does not have yet (its ``--spec ngram`` is prompt lookup, for attention-only
+        models); pass ``--spec mtp --draft-tokens`` here once it does."""
         s = self.settings
         return (["--device", self.device.flag, "--max-context", str(s.context), "--max-concurrency", str(s.lanes),
                  "--prefill-chunk", str(s.prefill_chunk), "--kv-capacity", str(s.kv_tokens)]

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from .engine_config import EngineConfig
 from .loop import EngineFailedError, EngineLoop
-from .outputs import RequestOutput
+from .outputs import RequestOutput, merge
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -29,20 +29,6 @@ def _mergeable(out: RequestOutput) -> bool:
     """Text and tokens may be read as one; the admission, progress (one report per prompt
     chunk: few, and each one a client may show) and an error never."""
     return not (out.admitted or out.prompt_processed is not None or out.finish_reason == "error")
-
-
-def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """``first`` followed by ``later`` as one output: text, token ids and logprobs joined, every count,
-    ending and timing the later one's (they are cumulative or final)."""
-    first.text += later.text
-    first.token_ids = first.token_ids + later.token_ids
-    if first.logprobs is not None or later.logprobs is not None:
-        first.logprobs = (first.logprobs or []) + (later.logprobs or [])
-    for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "reuse",
-                 "completion_tokens", "reasoning_tokens", "reasoning_loop", "prefill_time", "decode_time",
-                 "embedding", "error", "error_code"):
-        setattr(first, name, getattr(later, name))
-    return first
 
 
 class _Stream:

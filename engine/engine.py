@@ -23,11 +23,13 @@ from .grammar import GrammarError, Grammars
 from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
+from .outputs import merge as merge_outputs
 from .pooling import Pooled
 from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner
 from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
+from .spec import Drafter, accepted, speculates
 from .stats import EngineCounters
 
 log = logging.getLogger("ninfer.engine")
@@ -50,14 +52,17 @@ class LLMEngine:
         self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints))
-        self.scheduler = Scheduler(config, self.caches)
+        # speculative decoding (``spec.py``): n-gram drafts verified in the step that runs them
+        self.drafter = Drafter(config.draft_tokens, config.ngram_min, config.ngram_max) \
+            if config.spec == "ngram" else None
+        self.scheduler = Scheduler(config, self.caches, self.drafter)
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back
-        self.counters = EngineCounters()  # read lock-free by /metrics and /stats
+        self.counters = self._new_counters()  # read lock-free by /metrics and /stats
         self.grammars: Grammars | None = None  # made for the first request with a grammar
         self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar is being compiled
         self.last_step = time.monotonic()  # when the last step ended (``idle_work`` waits for quiet)
@@ -98,9 +103,14 @@ class LLMEngine:
             self.caches.prefix.clear()  # the warm-up's prompts are nobody's conversation
             self.caches.prefix.hits_gpu = self.caches.prefix.hits_host = 0
         self.scheduler.stats = type(self.scheduler.stats)()
-        self.counters = EngineCounters()  # the warm-up is not the server's work
+        self.counters = self._new_counters()  # the warm-up is not the server's work
         while self.caches.grow_host():  # the host memory kept ahead of need, pinned before any request
             pass
+
+    def _new_counters(self) -> EngineCounters:
+        counters = EngineCounters()
+        counters.spec_enabled = self.drafter is not None
+        return counters
 
     def idle_work(self) -> bool:
         """Work that waits for the engine to have had none for ``IDLE_PIN_AFTER_S`` (the loop calls
@@ -213,6 +223,7 @@ class LLMEngine:
         else:
             plan = self.scheduler.schedule()
             self.counters.scheduled(self.scheduler.admitted, plan)
+            self.counters.spec_fallback_steps += self.scheduler.undrafted
             for r in self.scheduler.admitted:
                 r.admitted_time = time.monotonic()
             outputs += [RequestOutput(r.request_id, admitted=True, prompt_tokens=len(r.prompt_ids),
@@ -226,6 +237,8 @@ class LLMEngine:
         tokens = launched.read()
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)
+        if launched.widths is not None:  # rows that verify drafts: their tokens and drafts together
+            return outputs + self._postprocess_runs(launched, tokens, logprobs)
         # a step launched ahead may carry requests that have finished since, or whose next token
         # was already known (forced tokens): what it sampled for them is dropped
         ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs, launched.still_wanted())
@@ -239,8 +252,10 @@ class LLMEngine:
         them). A request keeps only its newest anchor: each one, and its prompt's checkpoints, make
         the one before it useless."""
         every = self.config.progress_anchor
-        for req, _ in plan:
+        for req, n in plan:
             at = req.num_computed
+            if req.draft and len(req.draft) + 1 == n:  # verifying a draft: where it ends is known after the read
+                continue
             if at in req.checkpoints:
                 kept = self.caches.checkpoint(req.cache, req.all_ids[:at])
                 if kept is not None:
@@ -258,12 +273,15 @@ class LLMEngine:
         goes on while the host reads, detokenizes and publishes. Only when the next step would be
         exactly that: a batched decode step of the same running requests, nobody waiting to be
         admitted, no sampling that needs the token history, no thinking budget about to force its
-        close tokens, and cache room for one more token. With rows under a grammar only the
-        forward goes now: the next mask needs the tokens being read, so the step's tokens are
-        drawn at the start of the next ``step`` (``ModelRunner.sample``)."""
+        close tokens, no request that may speculate (its draft is made from the token being read),
+        and cache room for one more token. With rows under a grammar only the forward goes now: the
+        next mask needs the tokens being read, so the step's tokens are drawn at the start of the
+        next ``step`` (``ModelRunner.sample``)."""
         reqs = [r for r, wanted in zip(launched.ready, launched.still_wanted()) if wanted]
         if not (self.overlap and launched.decode and reqs) or self.scheduler.waiting:
             return None
+        if self.drafter is not None and any(speculates(r) for r in reqs):
+            return None  # its next step may verify a draft, which needs this step's tokens on the host
         if len(self.scheduler.running) != len(reqs) or \
                 any(uses_history(r.params) or thinking.may_force_next(r) for r in reqs):
             return None
@@ -302,6 +320,57 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - this request's own text handling: it alone ends
                 outputs.append(self._fail(req, exc))
         return outputs
+
+    def _postprocess_runs(self, launched: Launched, tokens: list[int],
+                          logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
+        """``_postprocess`` for a step with rows that verify drafts (never launched ahead):
+        each such row's tokens go to ``_verify``, the others as one token each."""
+        outputs, at = [], 0
+        for req, width, draft in zip(launched.ready, launched.widths, launched.drafts):
+            run, lps = tokens[at : at + width], logprobs[at : at + width]
+            at += width
+            if width == 1:
+                outputs += self._postprocess([req], run, lps)
+                continue
+            try:
+                outputs.append(self._verify(req, run, draft, lps))
+            except Exception as exc:  # noqa: BLE001 - as in _postprocess: this request alone ends
+                outputs.append(self._fail(req, exc))
+        return outputs
+
+    def _verify(self, req: Request, targets: list[int], draft: list[int],
+                logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """Commit what a verified draft gives: the drafts the model's own tokens (``targets``, one
+        per position run) confirm, then the model's token after them, one at a time through
+        ``_append_token`` (so stop tokens and strings, ``max_tokens``, the context limit and the
+        thinking budget end or change the run exactly where one-token steps would); the KV of the
+        positions past what is kept is dropped by setting ``num_computed`` back."""
+        start = req.num_computed - len(draft) - 1  # where the row began: its last sampled token
+        kept = accepted(targets, draft)
+        req.draft = []
+        req.spec_drafted += len(draft)
+        req.spec_accepted += kept
+        c = self.counters
+        c.spec_rounds += 1
+        c.spec_draft_tokens += len(draft)
+        c.spec_accepted_tokens += kept
+        if kept:
+            by = list(c.spec_accepted_by_position) + [0] * (kept - len(c.spec_accepted_by_position))
+            c.spec_accepted_by_position = tuple(n + (i < kept) for i, n in enumerate(by))
+        out = None
+        for i in range(kept + 1):
+            # computed: what precedes the token committed now (a request that finishes with it
+            # keeps a checkpoint of no more than that)
+            req.num_computed = start + 1 + i
+            before = len(req.output_ids)
+            more = self._append_token(req, targets[i], logprobs[i])
+            out = more if out is None else merge_outputs(out, more)
+            if req.is_finished:
+                return out
+            if len(req.output_ids) - before > 1:  # forced tokens follow it: the drafts after it are moot
+                req.num_computed += i < kept  # this token was a draft, its KV computed
+                return out
+        return out
 
     def _fail(self, req: Request, exc: Exception) -> RequestOutput:
         """End one request whose output handling (detokenizing, stop strings, thinking budget)
@@ -395,4 +464,6 @@ class LLMEngine:
             error_code=req.error_code,
             prefill_time=None if prefill_end is None else prefill_end - (req.admitted_time or req.arrival),
             decode_time=None if prefill_end is None else (req.finish_time or prefill_end) - prefill_end,
+            draft_tokens=req.spec_drafted,
+            draft_accepted=req.spec_accepted,
         )

@@ -18,6 +18,11 @@ GDN_CHUNK = 64
 # 128; int8 on the CPU only)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
 QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
+# speculative decoding (``spec.py``): "off", or "ngram": drafts copied from where the sequence's
+# last tokens occurred before (prompt lookup), verified by the model in the next step
+SPEC_MODES = ("off", "ngram")
+MAX_DRAFT_TOKENS = 8
+MAX_NGRAM = 8
 
 
 @dataclass
@@ -48,6 +53,13 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     weights: str = "auto"  # one of WEIGHT_FORMATS
+    # speculative decoding: drafts of up to ``draft_tokens`` tokens per decoding request, each
+    # checked by the model in the step that runs it (``spec.py``); "ngram" takes them from the
+    # latest earlier place where the sequence's last ``ngram_max`` .. ``ngram_min`` tokens occur
+    spec: str = "off"  # one of SPEC_MODES
+    draft_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
 
     def __post_init__(self) -> None:
         checks = [
@@ -65,6 +77,11 @@ class EngineConfig:
              "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
+            ("spec", self.spec in SPEC_MODES, f"must be one of {', '.join(SPEC_MODES)}"),
+            ("draft_tokens", 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS, f"must be between 1 and {MAX_DRAFT_TOKENS}"),
+            ("ngram_min", 1 <= self.ngram_min <= MAX_NGRAM, f"must be between 1 and {MAX_NGRAM}"),
+            ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
+             f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -78,6 +95,10 @@ class EngineConfig:
     def check_for_model(self, model: ModelConfig) -> None:
         """Settings that depend on the model's shape; a ValueError names the flag and the
         largest value that works."""
+        if self.spec != "off" and model.is_hybrid:
+            raise ValueError(f"spec {self.spec!r} is not available for {model.family} yet: its Gated DeltaNet "
+                             "layers keep a recurrent state that a rejected draft cannot be truncated from (the "
+                             "per-position states of a verify step are a later part); serve it with --spec off")
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

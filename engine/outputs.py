@@ -40,3 +40,20 @@ class RequestOutput:
     # timings in seconds, filled on the final output
     prefill_time: float | None = None
     decode_time: float | None = None
+    # speculative decoding, final output: tokens drafted for the request and those kept
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+
+
+def merge(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``first`` followed by ``later`` as one output: text, token ids and logprobs joined, every count,
+    ending and timing the later one's (they are cumulative or final)."""
+    first.text += later.text
+    first.token_ids = first.token_ids + later.token_ids
+    if first.logprobs is not None or later.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + (later.logprobs or [])
+    for name in ("finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "reuse",
+                 "completion_tokens", "reasoning_tokens", "reasoning_loop", "prefill_time", "decode_time",
+                 "embedding", "error", "error_code", "draft_tokens", "draft_accepted"):
+        setattr(first, name, getattr(later, name))
+    return first

@@ -74,6 +74,13 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
     reuse: dict[str, str] | None = None  # that checkpoint's tier ("gpu" | "host") and kind ("turn" | "anchor")
     pooled: Any = None  # Pooled (pooling.py): the hidden states an embedding request has gathered
+    # speculative decoding (``spec.py``): the tokens proposed to follow ``output_ids``, run in the
+    # step the scheduler plans them for and kept as far as the model agrees; the drafter's index
+    # of the sequence; drafted and accepted tokens over the request's life
+    draft: list[int] = field(default_factory=list)
+    ngram: Any = None
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
     @property
     def all_ids(self) -> list[int]:

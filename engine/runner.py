@@ -31,10 +31,16 @@ class Launched:
     host memory behind an event on CUDA). ``pending``: the logits (and the graph's argmax) of a
     step whose tokens are not drawn yet (``ModelRunner.sample``)."""
 
-    def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], decode: bool) -> None:
+    def __init__(self, plan: list[tuple[Request, int]], ready: list[Request], decode: bool,
+                 widths: list[int] | None = None) -> None:
         self.plan = plan
         self.ready = ready
-        self.slots = [r.num_computed for r in ready]  # where each sampled token goes in its sequence
+        # per ready request, its tokens in ``tokens``: 1, or 1 + k where it verifies a draft of k
+        # (``drafts``: those k, as they were run); None: one each
+        self.widths = widths
+        self.drafts = None if widths is None else [r.draft[: w - 1] for r, w in zip(ready, widths)]
+        # where each (first) sampled token goes in its sequence
+        self.slots = [r.num_computed - (w - 1) for r, w in zip(ready, widths or [1] * len(ready))]
         self.tokens: torch.Tensor | None = None
         self.decode = decode  # a batched decode step (the only kind a next step can follow on the device)
         self.in_place = False  # the tokens are where a captured graph reads its next input ids
@@ -50,7 +56,7 @@ class Launched:
         (pinned) behind an event on CUDA."""
         self.tokens, self.in_place, self.logprobs, self.pending = tokens, in_place, logprobs, None
         if host is not None:
-            self._host = host[: len(self.ready)]
+            self._host = host[: tokens.shape[0]]
             self._host.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 rows, width = logprobs.table.shape
@@ -65,7 +71,8 @@ class Launched:
         return [not r.is_finished and r.num_tokens == slot for r, slot in zip(self.ready, self.slots)]
 
     def read(self) -> list[int]:
-        """The sampled tokens, waiting for this step only (not for steps launched after it)."""
+        """The sampled tokens (a verifying row's ``1 + k`` in a run), waiting for this step only
+        (not for steps launched after it)."""
         if self.pending is not None:
             raise RuntimeError("a step's tokens are read before they are drawn (ModelRunner.sample)")
         if self.tokens is None:
@@ -142,8 +149,9 @@ class ModelRunner:
         return self._launched(plan, reqs, logits, decode=True, greedy=greedy, defer=defer)
 
     def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool,
-                  greedy: torch.Tensor | None = None, defer: bool = False) -> Launched:
-        launched = Launched(plan, ready, decode)
+                  greedy: torch.Tensor | None = None, defer: bool = False,
+                  widths: list[int] | None = None) -> Launched:
+        launched = Launched(plan, ready, decode, widths)
         if ready:
             launched.pending = (logits, greedy)
             if not defer:
@@ -156,10 +164,11 @@ class ModelRunner:
         if launched.pending is None:
             return
         (logits, greedy), ready = launched.pending, launched.ready
+        rows = ready if launched.widths is None else [r for r, w in zip(ready, launched.widths) for _ in range(w)]
         with torch.inference_mode():
-            tokens = self.sampler.sample(logits, ready, greedy)
-            logprobs = self.sampler.logprobs(logits, ready, tokens)
-        host = self._readback(len(ready))
+            tokens = self.sampler.sample(logits, rows, greedy)
+            logprobs = self.sampler.logprobs(logits, rows, tokens)
+        host = self._readback(len(rows))
         host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
         launched.drawn(tokens, host, in_place=greedy is not None and tokens is greedy, logprobs=logprobs,
                        host_logprobs=host_logprobs)
@@ -194,7 +203,7 @@ class ModelRunner:
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
         """Any step, eager: one forward over every row, the logits of the rows that reach their
-        next token only; embedding requests' hidden rows to their ``Pooled`` (an embedding
+        next token only (of every position of a row that verifies a draft); embedding requests' hidden rows to their ``Pooled`` (an embedding
         request never decodes, so it is never in a decode step)."""
         step = build_step(plan, self.caches, self.device)
         hidden = self.model(step.input_ids, step.batch)
@@ -205,7 +214,7 @@ class ModelRunner:
             at += n
             req.num_computed += n
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
-        return self._launched(plan, step.sampled, logits, decode=False)
+        return self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

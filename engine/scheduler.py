@@ -1,6 +1,8 @@
 """Who runs this step: FIFO admission, then a token budget per step (``max_batched_tokens``): every
 decoding sequence's token first, then prompt chunks of as many prefilling requests as fit, oldest
-first; preemption of the youngest request when the KV pool runs out.
+first; preemption of the youngest request when the KV pool runs out. With a drafter
+(speculative decoding, ``spec.py``) a decoding request's row also carries its draft, as far as
+the budget and the pool allow.
 
 The scheduler changes only queue membership, request status and cache ownership; the engine runs
 the model on what it returns.
@@ -26,9 +28,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, caches: CacheManager) -> None:
+    def __init__(self, config: EngineConfig, caches: CacheManager, drafter=None) -> None:
         self.config = config
         self.caches = caches
+        self.drafter = drafter  # spec.Drafter when speculative decoding is on
+        self.undrafted = 0  # decoding rows of the last schedule() that could have carried a draft and did not
         self.waiting: list[Request] = []  # ordered by seq_no: paused requests go back in their place
         self.running: list[Request] = []  # ordered by seq_no (admission order)
         self.stats = SchedulerStats()
@@ -74,6 +78,8 @@ class Scheduler:
                 if self._reserve(req, req.num_computed + n, plan):
                     plan.append((req, n))
                     budget -= n
+        if self.drafter is not None:
+            budget = self._drafts(plan, budget)
         for req in list(self.running):  # then prompt chunks in admission order while the budget lasts
             if budget <= 0:
                 break
@@ -83,6 +89,26 @@ class Scheduler:
                     plan.append((req, n))
                     budget -= n
         return plan
+
+    def _drafts(self, plan: list[tuple[Request, int]], budget: int) -> int:
+        """Give the decoding rows of ``plan`` (each with its one uncomputed token) their drafts,
+        in admission order, while the step's budget lasts and pages are free without pausing
+        anyone (a draft that does not fit is shortened or left out); the budget left."""
+        self.undrafted = 0
+        for i, (req, n) in enumerate(plan):
+            req.draft = []
+            if n != 1 or not req.decode_ready:
+                continue
+            draft = self.drafter.propose(req)[: max(budget, 0)]
+            while draft and not self.caches.reserve(req.cache, req.num_computed + 1 + len(draft)):
+                draft = draft[: len(draft) // 2]
+            if not draft:
+                self.undrafted += self.drafter.eligible(req)
+                continue
+            req.draft = draft
+            plan[i] = (req, 1 + len(draft))
+            budget -= len(draft)
+        return budget
 
     def _cut(self, req: Request, n: int) -> int:
         """``n`` prompt tokens of ``req``, or fewer so that the chunk ends where the next of its
@@ -194,6 +220,7 @@ class Scheduler:
 
     def _pause(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft = []  # (a row paused after its draft was given: it runs no step now)
         req.snapshot = self.caches.pause(req.cache)
         req.cache = None
         if req.snapshot is None:

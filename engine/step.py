@@ -26,8 +26,11 @@ class Step:
     input_ids: torch.Tensor  # [N] int64
     batch: ForwardBatch
     plan: list[tuple[Request, int]]  # decode rows first
-    sample_index: torch.Tensor  # [S] int64: the flat token whose logits each sampled row takes
+    sample_index: torch.Tensor  # [S] int64: the flat tokens whose logits the sampled rows take
     sampled: list[Request]  # the rows that reach their next token, in ``sample_index`` order
+    # per sampled row, how many of ``sample_index`` are its own: 1, or 1 + k for a row that
+    # verifies a draft of k tokens (the logits of every position it runs); None: all 1
+    widths: list[int] | None = None
 
 
 def _aligned(values: list[int], multiple: int) -> list[int]:
@@ -35,30 +38,53 @@ def _aligned(values: list[int], multiple: int) -> list[int]:
     return values + [0] * (-len(values) % multiple)
 
 
+def drafted(req: Request, n: int) -> int:
+    """How many of a row's ``n`` new tokens are its request's draft (those past ``num_tokens``)."""
+    return max(req.num_computed + n - req.num_tokens, 0)
+
+
 def order_rows(plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """Rows of one new token first (stable), then the rest: the layout ``StepMeta`` expects."""
-    return [row for row in plan if row[1] == 1] + [row for row in plan if row[1] != 1]
+    """Rows of one new token first (stable), then the rows that verify a draft, then the rest:
+    the order of the step's flat token run."""
+    verify = [row for row in plan if row[1] != 1 and drafted(*row)]
+    return [row for row in plan if row[1] == 1] + verify + [row for row in plan if row[1] != 1 and not drafted(*row)]
 
 
 def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: torch.device,
                ids: torch.Tensor | None = None) -> Step:
     """The step for ``plan`` (``ids``: the decode rows' input tokens already on the device, for a
     plan of decode rows only). Reads each request's ``num_computed`` as where its new tokens start;
-    changes nothing."""
+    changes nothing.
+
+    A row that runs past ``num_tokens`` verifies its request's ``draft`` (speculative decoding,
+    attention-only models): it is laid out as one decode row per position, each with the context
+    up to itself over the same pages (every K/V is written before any row attends), so every
+    position is computed exactly as a one-token step computes it; all of them are sampled."""
     plan = order_rows(plan)
     page = caches.page_size
-    rows = len(plan)
-    num_decode = sum(n == 1 for _, n in plan)
+    layout = []  # (request, first position, new tokens): the rows StepMeta describes
+    verify = set()  # the requests whose rows verify a draft
+    for req, n in plan:
+        if n > 1 and drafted(req, n):
+            layout += [(req, req.num_computed + i, 1) for i in range(n)]
+            verify.add(id(req))
+        else:
+            layout.append((req, req.num_computed, n))
+    rows = len(layout)
+    num_decode = sum(n == 1 for _, _, n in layout)
     width = max((len(r.cache.pages) for r, _ in plan), default=1) or 1
     tokens, positions, writes, slots, lens, tables = [], [], [], [], [], []
-    cu, sample, sampled, end = [0], [], [], 0
-    for i, (req, n) in enumerate(plan):
-        start, cache = req.num_computed, req.cache
+    cu, sample, sampled, widths, end = [0], [], [], [], 0
+    for i, (req, start, n) in enumerate(layout):
+        cache = req.cache
         table = cache.pages
         if cache.kv is not None and start + n > cache.capacity:
             raise RuntimeError(f"KV pages for {cache.capacity} tokens, writing up to {start + n}: reserve first")
         if ids is None:
-            tokens.extend(req.all_ids[start : start + n] if n > 1 else (req.token_at(start),))
+            if start >= req.num_tokens:  # a draft token
+                tokens.append(req.draft[start - req.num_tokens])
+            else:
+                tokens.extend(req.all_ids[start : start + n] if n > 1 else (req.token_at(start),))
         positions.extend(range(start, start + n))
         if table:
             writes.extend(pool_row(table, p, page) for p in range(start, start + n))
@@ -74,6 +100,10 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
         if start + n == req.num_tokens:  # everything known is computed: its next token is sampled
             sample.append(end - 1)
             sampled.append(req)
+            widths.append(1)
+        elif id(req) in verify:  # the token after a draft token
+            sample.append(end - 1)
+            widths[-1] += 1
     prompt_rows = rows - num_decode
     # every segment starts 16-byte aligned: Triton specializes a kernel on its pointers'
     # alignment, so unaligned slices would compile new variants as the row and token counts move
@@ -102,13 +132,13 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     if prompt_rows:
         at, end = off + cu_at, off + cu_at + prompt_rows + 1
         prompt = PromptRows(cu_seqlens=small[cu_at : cu_at + prompt_rows + 1], cu_seqlens_long=dev[at:end],
-                            cu_seqlens_host=host[at:end], max_seqlen=max(n for _, n in plan[num_decode:]),
+                            cu_seqlens_host=host[at:end], max_seqlen=max(n for _, _, n in layout[num_decode:]),
                             slots_host=slots[num_decode:])
         cu_at += len(_aligned(cu, 4))
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
                     prompt=prompt)
-    batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, n in plan], caches=[r.cache for r, _ in plan],
+    batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
-    return Step(input_ids, batch, plan, sample_t, sampled)
+    return Step(input_ids, batch, plan, sample_t, sampled, widths if len(sample) > len(sampled) else None)

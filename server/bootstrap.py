@@ -157,6 +157,10 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         device=device,
         dtype=dtype,
         weights=args.weights,
+        spec=args.spec,
+        draft_tokens=args.draft_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.engine_config import WEIGHT_FORMATS
+from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, WEIGHT_FORMATS
 from .workers import DEFAULT_THREADS
 
 log = logging.getLogger("ninfer.server")
@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens per engine step over all requests: every decoding request's token, then "
                         "prompt chunks of as many waiting requests as fit (default: --prefill-chunk)")
+    p.add_argument("--spec", default="off", choices=list(SPEC_MODES),
+                   help="speculative decoding: 'ngram' drafts the next tokens from where the sequence's last "
+                        "tokens occurred before (prompt lookup) and verifies them in the next step, for greedy "
+                        "requests of attention-only models (Llama, Qwen3); default off")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
+                   help=f"tokens drafted per request and step with --spec (1..{MAX_DRAFT_TOKENS}, default 4)")
+    p.add_argument("--ngram-min", type=int, default=1, metavar="N",
+                   help="--spec ngram: the shortest suffix of the sequence looked up (default 1)")
+    p.add_argument("--ngram-max", type=int, default=3, metavar="N",
+                   help="--spec ngram: the longest suffix looked up, tried first (default 3)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")

@@ -163,9 +163,14 @@ def _rates(cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predi
 
 
 def timings(final: RequestOutput) -> dict[str, Any]:
-    """llama.cpp-compatible terminal timings from the engine's own clock."""
-    return _rates(final.cached_tokens, final.prompt_tokens - final.cached_tokens, final.prefill_time or 0.0,
-                  final.completion_tokens, final.decode_time or 0.0)
+    """llama.cpp-compatible terminal timings from the engine's own clock; ``draft_n`` /
+    ``draft_n_accepted`` where tokens were drafted for the request (``--spec``), as llama.cpp
+    adds them."""
+    out = _rates(final.cached_tokens, final.prompt_tokens - final.cached_tokens, final.prefill_time or 0.0,
+                 final.completion_tokens, final.decode_time or 0.0)
+    if final.draft_tokens:
+        out.update(draft_n=final.draft_tokens, draft_n_accepted=final.draft_accepted)
+    return out
 
 
 class TimingClock:

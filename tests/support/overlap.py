@@ -18,15 +18,18 @@ def make(i: int, tok, **params) -> Request:
 
 
 def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort_at: dict | None = None,
-          device: str = "cpu", cuda_graphs: bool = True):
+          device: str = "cpu", cuda_graphs: bool = True, engine_out: list | None = None, **config):
     """Run requests built from ``specs`` (id -> params); ``arrivals`` adds a request once another
-    has that many tokens, ``abort_at`` aborts one once it has that many. Returns what each request's
-    outputs said, and how many steps were launched ahead."""
+    has that many tokens, ``abort_at`` aborts one once it has that many; ``config``: more engine
+    settings (``spec``); ``engine_out`` gets the engine. Returns what each request's outputs said,
+    and how many steps were launched ahead."""
     model, tok = parts
     engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=6, prefill_chunk=32,
                                                 kv_capacity=2048, page_size=8,
                                                 overlap=overlap, device=device, cuda_graphs=cuda_graphs,
-                                                dtype=next(model.parameters()).dtype))
+                                                dtype=next(model.parameters()).dtype, **config))
+    if engine_out is not None:
+        engine_out.append(engine)
     launched_ahead = 0
     launch_next = engine.runner.launch_next
 
@@ -47,8 +50,11 @@ def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort
         s = seen[out.request_id]
         s["tokens"] += out.token_ids
         s["text"] += out.text
+        if out.logprobs is not None:
+            s.setdefault("logprobs", []).extend(out.logprobs)
         if out.finished:
             s["finish"] = out.finish_reason
+            s["completion_tokens"] = out.completion_tokens
 
     while engine.has_work or arrivals:
         for i, (after, n) in list(arrivals.items()):
