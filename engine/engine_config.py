@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.kv_quant import KV_DTYPES, REFUSED_KV_DTYPES, storage_dtype
 from .config import ModelConfig
 from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 
@@ -60,8 +61,13 @@ class EngineConfig:
     draft_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
+    # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
+    # (e4m3) / "int8" with an fp32 scale per token and KV head (``cache/kv_quant.py``)
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype in REFUSED_KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: {REFUSED_KV_DTYPES[self.kv_dtype]}")
         checks = [
             ("max_context", self.max_context >= 16, "must be >= 16"),
             ("max_concurrency", 1 <= self.max_concurrency <= 64, "must be between 1 and 64"),
@@ -82,10 +88,16 @@ class EngineConfig:
             ("ngram_min", 1 <= self.ngram_min <= MAX_NGRAM, f"must be between 1 and {MAX_NGRAM}"),
             ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
+            ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV pages' torch dtype (``kv_dtype`` resolved against ``dtype``)."""
+        return storage_dtype(self.kv_dtype, self.dtype)
 
     @property
     def step_tokens(self) -> int:

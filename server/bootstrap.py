@@ -161,6 +161,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         draft_tokens=args.draft_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        kv_dtype=args.kv_dtype,
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_pool import PagedKVPool
+from .kv_quant import raw_bytes
 from .state_pool import StateSlotPool
 
 ALIGN = 4096  # extents and the regions inside them start at multiples of this
@@ -122,13 +123,21 @@ class HostArena:
 
 @dataclass(eq=False)
 class KVPart:
-    """Pages ``start`` to ``start + count`` of a copy: their keys and values, in one extent."""
+    """Pages ``start`` to ``start + count`` of a copy: their keys and values (and, quantized, their
+    scales), in one extent, a region each."""
 
     start: int
     count: int
     extent: Extent
-    keys: torch.Tensor  # [L_attn, count, P, Hkv, D]
-    values: torch.Tensor
+    tensors: list[torch.Tensor]  # like PagedKVPool.tensors: [L_attn, count, P, Hkv, D] keys, values, ...
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.tensors[1]
 
 
 @dataclass(eq=False)
@@ -166,7 +175,9 @@ class HostTier:
         self.device = device
         cuda = device.type == "cuda"
         self.arena = HostArena(budget, pinned=cuda, slab_bytes=slab_bytes, ahead=AHEAD_BYTES if cuda else 0)
-        self.page_bytes = 0 if kv is None else 2 * kv.keys[:, 0].numel() * kv.keys.element_size()
+        # bytes of one page in each of the pool's tensors (keys, values and, quantized, their scales)
+        self.tensor_page_bytes = [] if kv is None else [t[:, 0].numel() * t.element_size() for t in kv.tensors]
+        self.page_bytes = sum(self.tensor_page_bytes)
         self.conv_bytes = 0 if states is None else states.conv[:, 0].numel() * states.conv.element_size()
         self.recurrent_bytes = 0 if states is None else \
             states.recurrent[:, 0].numel() * states.recurrent.element_size()
@@ -176,7 +187,7 @@ class HostTier:
         self._stream: torch.cuda.Stream | None = None
 
     def _kv_size(self, pages: int) -> int:
-        return 2 * _round(pages * self.page_bytes // 2)
+        return sum(_round(pages * b) for b in self.tensor_page_bytes)
 
     def _parts(self, pages: int) -> list[tuple[int, int]]:
         return [(s, min(self.part_pages, pages - s)) for s in range(0, pages, self.part_pages)]
@@ -203,10 +214,11 @@ class HostTier:
             taken.append(ext)
         kv = []
         for (start, count), ext in zip(parts, taken):
-            half, n = self._kv_size(count) // 2, count * self.page_bytes // 2
-            shape = (self.kv.keys.shape[0], count, *self.kv.keys.shape[2:])
-            kv.append(KVPart(start, count, ext, ext.data[:n].view(self.kv.keys.dtype).view(shape),
-                             ext.data[half : half + n].view(self.kv.keys.dtype).view(shape)))
+            views, at = [], 0
+            for t, b in zip(self.kv.tensors, self.tensor_page_bytes):
+                views.append(ext.data[at : at + count * b].view(t.dtype).view(t.shape[0], count, *t.shape[2:]))
+                at += _round(count * b)
+            kv.append(KVPart(start, count, ext, views))
         st = conv = recurrent = None
         if state:
             st, at = taken[-1], _round(self.conv_bytes)
@@ -252,8 +264,8 @@ class HostTier:
                 idx = self._index(pages)
                 for part in copy.kv:
                     sub = idx[part.start : part.start + part.count]
-                    part.keys.copy_(self.kv.keys.index_select(1, sub), non_blocking=async_)
-                    part.values.copy_(self.kv.values.index_select(1, sub), non_blocking=async_)
+                    for view, t in zip(part.tensors, self.kv.tensors):
+                        view.copy_(t.index_select(1, sub), non_blocking=async_)
             if copy.conv is not None and slot is not None:
                 copy.conv.copy_(self.states.conv[:, slot], non_blocking=async_)
                 copy.recurrent.copy_(self.states.recurrent[:, slot], non_blocking=async_)
@@ -273,8 +285,8 @@ class HostTier:
                 idx = self._index(pages)
                 for part in copy.kv:
                     sub = idx[part.start : part.start + part.count]
-                    self.kv.keys.index_copy_(1, sub, part.keys.to(self.device, non_blocking=async_))
-                    self.kv.values.index_copy_(1, sub, part.values.to(self.device, non_blocking=async_))
+                    for view, t in zip(part.tensors, self.kv.tensors):
+                        raw_bytes(t).index_copy_(1, sub, raw_bytes(view.to(self.device, non_blocking=async_)))
             if slot is not None and copy.conv is not None:
                 self.states.conv[:, slot] = copy.conv.to(self.device, non_blocking=async_)
                 self.states.recurrent[:, slot] = copy.recurrent.to(self.device, non_blocking=async_)

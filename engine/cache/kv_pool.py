@@ -5,10 +5,17 @@ A sequence owns a list of page ids (its block table); token ``t`` lives at page 
 row ``t % P``. Pages are handed out from a free list; nothing is allocated after startup. A page
 may be held by several owners (a prefix checkpoint and the sequences that continue from it): it
 counts its holders and goes back to the free list when the last one releases it.
+
+With a one-byte element type (``--kv-dtype fp8`` / ``int8``, ``kv_quant.py``) each (token, KV
+head) row has an fp32 scale in ``k_scales[a]`` / ``v_scales[a]`` ``[num_pages, P, Hkv]``, at the
+row's own index; ``tensors`` lists every tensor indexed by page on its dim 1, which is what a
+copy of pages (``copy_page``, the host tier) copies.
 """
 from __future__ import annotations
 
 import torch
+
+from .kv_quant import SCALE_DTYPE, is_quantized
 
 
 class OutOfPagesError(RuntimeError):
@@ -30,13 +37,36 @@ class PagedKVPool:
         shape = (num_attn_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scales = self.v_scales = None
+        if is_quantized(dtype):
+            self.k_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders = [0] * num_pages
 
     @staticmethod
     def bytes_per_page(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-        return 2 * num_attn_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        row = head_dim * torch.empty((), dtype=dtype).element_size()
+        if is_quantized(dtype):
+            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return 2 * num_attn_layers * page_size * num_kv_heads * row
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a page's data lives in (pages on dim 1): K, V and, quantized, their scales."""
+        return [self.keys, self.values] + ([] if self.k_scales is None else [self.k_scales, self.v_scales])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every tensor of ``tensors``."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
+
+    def layer(self, a: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attention layer ordinal ``a``'s K pages, V pages and their scales (None unquantized)."""
+        if self.k_scales is None:
+            return self.keys[a], self.values[a], None, None
+        return self.keys[a], self.values[a], self.k_scales[a], self.v_scales[a]
 
     @property
     def num_free(self) -> int:
@@ -75,5 +105,5 @@ class PagedKVPool:
         pages.clear()
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.keys[:, dst] = self.keys[:, src]
-        self.values[:, dst] = self.values[:, src]
+        for t in self.tensors:
+            t[:, dst] = t[:, src]

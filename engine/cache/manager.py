@@ -22,15 +22,16 @@ from .state_pool import StateSlotPool
 class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
-                 checkpoints: int = 0, moving_slots: int = 0) -> None:
+                 checkpoints: int = 0, moving_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         """``num_slots`` state slots for sequences, ``checkpoints`` more for prefix checkpoints
         (at most that many are kept; ``prefix`` is None without any) and ``moving_slots`` more for
-        checkpoints' copies to host in flight."""
+        checkpoints' copies to host in flight. KV pages hold ``kv_dtype`` (``dtype`` when None;
+        fp8 / int8 with per-row scales, ``kv_quant.py``); the states ``dtype``."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
-                              config.head_dim, dtype, device) if self.attn_ordinal else None
+                              config.head_dim, kv_dtype or dtype, device) if self.attn_ordinal else None
         self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints + moving_slots,
                                     *state_shapes(config), dtype, device) if self.gdn_ordinal else None
         self.host_cache_bytes = host_cache_bytes  # for snapshots and host checkpoints together
@@ -254,5 +255,6 @@ def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, 
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one token's K/V over every attention layer with pages of ``dtype`` (scales included)."""
     n_attn = sum(t == "full_attention" for t in config.layer_types)
     return PagedKVPool.bytes_per_page(n_attn, 1, config.num_key_value_heads, config.head_dim, dtype)

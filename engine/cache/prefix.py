@@ -86,7 +86,7 @@ class PrefixCache:
         # copies to host in flight, oldest first: their event, and the pages and slot they give back
         self._moving: list[tuple[torch.cuda.Event, list[int], int | None]] = []
         self._keep: Checkpoint | None = None  # the host checkpoint being promoted: not dropped for room
-        self.page_bytes = 0 if kv is None else 2 * kv.keys[:, 0].numel() * kv.keys.element_size()
+        self.page_bytes = 0 if kv is None else kv.page_bytes
         self.slot_bytes = 0 if states is None else \
             states.conv[:, 0].numel() * states.conv.element_size() + \
             states.recurrent[:, 0].numel() * states.recurrent.element_size()

@@ -4,7 +4,9 @@ Options: per-head ``q_norm``/``k_norm`` (Qwen3: plain RMSNorm, Qwen3.5: zero-cen
 gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * sigmoid(gate))``).
 Projections, norms and RoPE run on the whole flat token run. In an engine step (``batch.step``)
 the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
-reference path it runs per sequence against that sequence's cache.
+reference path it runs per sequence against that sequence's cache. The pages may hold one byte
+per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``,
+``cache/kv_quant.py``): written quantized, read dequantized inside the attention.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv_quant import quantize, raw_bytes
 from .fused_linear import NormFusedInput, fuse_linears, split_linear
 from .linear import Linear
 from .norm import RMSNorm
@@ -162,25 +165,30 @@ class Attention(NormFusedInput, nn.Module):
         prompt kernel, both reading K/V in place; ``[N, H, D]`` with the output gate applied. With
         Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
         path is its reference."""
-        a = meta.attn_ordinal[self.layer_idx]
-        k_pages, v_pages = meta.kv.keys[a], meta.kv.values[a]
+        k_pages, v_pages, k_scale, v_scale = meta.kv.layer(meta.attn_ordinal[self.layer_idx])
         if on_triton(q):
             gate = self._gate(q)
-            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
+            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages, k_scale, v_scale)
         else:
             q, k, v, gate = self._prepare(q, k, v, positions)
-            rows = k_pages.view(-1, self.num_kv_heads, self.head_dim)
-            rows.index_copy_(0, meta.write_index, k.to(rows.dtype))
-            v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.write_index, v.to(rows.dtype))
+            hkv, hd = self.num_kv_heads, self.head_dim
+            if k_scale is not None:  # one-byte pages: bytes and a scale per (token, head) row
+                (k, ks), (v, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
+                k_scale.view(-1, hkv).index_copy_(0, meta.write_index, ks)
+                v_scale.view(-1, hkv).index_copy_(0, meta.write_index, vs)
+            for pages, x in ((k_pages, k), (v_pages, v)):  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
+                rows = raw_bytes(pages).view(-1, hkv, hd)
+                rows.index_copy_(0, meta.write_index, raw_bytes(x.to(pages.dtype)))
         d, prompt = meta.num_decode, meta.prompt
         parts = []
         if d:
             parts.append(paged_decode_attention(q[:d], k_pages, v_pages, meta.block_tables[:d],
-                                                meta.context_lens[:d], self.scale, None if gate is None else gate[:d]))
+                                                meta.context_lens[:d], self.scale, None if gate is None else gate[:d],
+                                                k_scale, v_scale))
         if prompt is not None:
             parts.append(prefill_attention(q[d:], k_pages, v_pages, meta.block_tables[d:], prompt.cu_seqlens,
                                            meta.context_lens[d:], prompt.max_seqlen, self.scale,
-                                           None if gate is None else gate[d:]))
+                                           None if gate is None else gate[d:], k_scale, v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
@@ -196,7 +204,8 @@ class Attention(NormFusedInput, nn.Module):
         return q.view(q.shape[0], self.num_heads, 2 * d)[:, :, d:] if self.gated else None
 
     def _qkv_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+                   write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q/k norm + RoPE + K/V write into the pages, one Triton launch; the rotated query."""
         from .attention_triton import decode_qkv_triton
 
@@ -205,4 +214,5 @@ class Attention(NormFusedInput, nn.Module):
             q, k, v, positions, self.rotary.inv_freq_on(q.device),
             None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
             norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
-            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim)
+            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim,
+            k_scale, v_scale)

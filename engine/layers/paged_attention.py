@@ -1,12 +1,17 @@
 """Decode attention over the paged KV pool: one query token per sequence, GQA.
 
 ``paged_decode_attention`` dispatches to the Triton kernel (``paged_attention_triton.py``) on CUDA
-and to ``paged_decode_attention_ref`` elsewhere; the reference is what the kernel is tested against.
+and to ``paged_decode_attention_ref`` elsewhere; the reference is what the kernel is tested against. Pages of one-byte elements (``--kv-dtype fp8``
+/ ``int8``) come with ``k_scale`` / ``v_scale`` ``[num_pages, P, Hkv]``, one per row
+(``cache/kv_quant.py``): the references dequantize the gathered rows, the kernel folds the scales
+into the scores and the softmax weights.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..cache.kv_quant import dequantize
 
 
 def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
@@ -20,17 +25,29 @@ def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_
         raise ValueError("paged attention: block_tables / context_lens do not match the batch")
 
 
+def _gather(pages: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Each sequence's pages ``[B, M * P, Hkv, D]`` in ``dtype``, dequantized where ``scales`` are given."""
+    bt = block_tables.long()
+    b, m = bt.shape
+    _, p, hkv, d = pages.shape
+    rows = dequantize(pages[bt], None if scales is None else scales[bt], dtype)
+    return rows.reshape(b, m * p, hkv, d)
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """``q`` ``[B, H, D]``; pages ``[num_pages, P, Hkv, D]``; ``block_tables`` ``[B, M]``;
-    ``context_lens`` ``[B]``. Query ``b`` attends to its first ``context_lens[b]`` cached tokens."""
+                               scale: float, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` ``[B, H, D]``; pages ``[num_pages, P, Hkv, D]`` (with scales ``[num_pages, P, Hkv]``
+    when quantized); ``block_tables`` ``[B, M]``; ``context_lens`` ``[B]``. Query ``b`` attends to
+    its first ``context_lens[b]`` cached tokens."""
     _check(q, k_pages, v_pages, block_tables, context_lens)
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
     m = block_tables.shape[1]
-    k = k_pages[block_tables.long()].reshape(b, m * p, hkv, d).float()  # [B, S, Hkv, D]
-    v = v_pages[block_tables.long()].reshape(b, m * p, hkv, d).float()
+    k = _gather(k_pages, k_scale, block_tables, torch.float32)  # [B, S, Hkv, D]
+    v = _gather(v_pages, v_scale, block_tables, torch.float32)
     group = h // hkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
@@ -43,29 +60,33 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           gate: torch.Tensor | None = None) -> torch.Tensor:
+                           gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[B, H, D]``; with ``gate`` ``[B, H, D]`` it is multiplied by ``sigmoid(gate)``."""
     if q.is_cuda:
         from .paged_attention_triton import paged_decode_attention_triton
 
         _check(q, k_pages, v_pages, block_tables, context_lens)
-        return paged_decode_attention_triton(q, k_pages, v_pages, block_tables, context_lens, scale, gate)
-    out = paged_decode_attention_sdpa(q, k_pages, v_pages, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(q, k_pages, v_pages, block_tables, context_lens, scale, gate,
+                                             k_scale=k_scale, v_scale=v_scale)
+    out = paged_decode_attention_sdpa(q, k_pages, v_pages, block_tables, context_lens, scale, k_scale, v_scale)
     return out if gate is None else out * torch.sigmoid(gate)
 
 
 def paged_decode_attention_sdpa(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_decode_attention_ref`` through torch's fused attention (the CPU path): each KV
     head's group of query heads are the queries of one call, so K and V are gathered once and
-    never repeated per query head."""
+    never repeated per query head (quantized pages: dequantized to ``q``'s dtype as gathered)."""
     _check(q, k_pages, v_pages, block_tables, context_lens)
     b, h, d = q.shape
     _, p, hkv, _ = k_pages.shape
     m = block_tables.shape[1]
-    k = k_pages[block_tables.long()].reshape(b, m * p, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
-    v = v_pages[block_tables.long()].reshape(b, m * p, hkv, d).transpose(1, 2)
+    dtype = k_pages.dtype if k_scale is None else q.dtype
+    k = _gather(k_pages, k_scale, block_tables, dtype).transpose(1, 2)  # [B, Hkv, S, D]
+    v = _gather(v_pages, v_scale, block_tables, dtype).transpose(1, 2)
     valid = torch.arange(m * p, device=q.device)[None, :] < context_lens[:, None].long()
     out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d).to(k.dtype), k, v,
                                          attn_mask=valid[:, None, None, :], scale=scale)

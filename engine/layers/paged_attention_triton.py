@@ -8,6 +8,10 @@ about two programs run per SM: a lone 4K-token sequence still spreads over the w
 2: one program per (sequence, query head, slice of the head dim) merges the splits and, for
 gated attention (Qwen3.5), multiplies by ``sigmoid(gate)``. Grid sizes depend only on the batch
 and the pool's maximum pages per sequence, so a step can be captured in a CUDA graph.
+
+One-byte pages (``--kv-dtype fp8`` / ``int8``, ``QUANT``): a tile's keys are converted exactly to
+the query's dtype and their per-row scales multiply the scores; its values are dequantized
+(times their scales, in fp32, then to the query's dtype) before the weighted sum.
 """
 from __future__ import annotations
 
@@ -50,10 +54,11 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
 # integers that move from step to step (block-table width, splits, gate strides) are not
 # specialized on (== 1, % 16): each new value would compile a variant inside a user's request
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                     stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,9 +82,17 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
             tmask = t < ctx
             k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
             v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
+            if QUANT:
+                ks = tl.load(ks_ptr + row, mask=tmask, other=0.0)
+                vs = tl.load(vs_ptr + row, mask=tmask, other=0.0)
+                v = v.to(tl.float32) * vs[:, None]
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
             # the next block's page-table reads go out with this block's K/V reads, not after them
             row = _pool_rows(bt_ptr + b * stride_bt, t + BLOCK_N, tl.minimum(stop, ctx), kvh, HKV, P)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK_N]
+            if QUANT:
+                scores = scores * ks[None, :]
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,8 +140,10 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_
 def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, gate: torch.Tensor | None = None,
-                                  tiles: dict | None = None) -> torch.Tensor:
-    """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``tiles``
+                                  tiles: dict | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``k_scale`` /
+    ``v_scale`` ``[num_pages, P, Hkv]`` contiguous: the rows' scales of one-byte pages. ``tiles``
     overrides the launch choices (the launch settings' ``attention_shape_tiles`` entry for the
     shape, else their attention_* defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
     (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""
@@ -138,6 +153,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     t = dict(settings.attention_shape_tiles.get((h, hkv, d), {}), **(tiles or {}))
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("paged attention kernel: head_dim must be a power of two and pages contiguous")
+    quant = k_scale is not None
+    if quant and not (v_scale is not None and k_scale.shape == k_pages.shape[:-1] == v_scale.shape
+                      and k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError(f"paged attention kernel: scales {tuple(k_scale.shape)} / "
+                         f"{None if v_scale is None else tuple(v_scale.shape)} for pages {tuple(k_pages.shape)}")
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     group = h // hkv
@@ -150,9 +170,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     _partial_kernel[(b, hkv, num_splits)](
-        q, k_pages, v_pages, block_tables, context_lens, m, l, acc, scale,
-        block_tables.stride(0), num_splits,
-        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n,
+        q, k_pages, v_pages, k_scale if quant else m, v_scale if quant else m, block_tables, context_lens,
+        m, l, acc, scale, block_tables.stride(0), num_splits,
+        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, QUANT=quant,
         num_warps=t.get("num_warps", 4), num_stages=t.get("num_stages", 2), **pdl_options(q),
     )
     out = torch.empty_like(q)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.kv_quant import dequantize
 from .triton_switch import on_triton
 
 
@@ -27,7 +28,7 @@ def check_args(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, bl
                          f"{tuple(v_pages.shape)}")
     if q.shape[1] % k_pages.shape[2]:
         raise ValueError(f"prefill attention: {q.shape[1]} query heads for {k_pages.shape[2]} KV heads")
-    if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
+    if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"prefill attention: q {q.dtype}, pages {k_pages.dtype} / {v_pages.dtype}")
     r = ctx_lens.shape[0]
     if ctx_lens.dim() != 1 or cu_seqlens_q.shape != (r + 1,) or block_tables.dim() != 2 or \
@@ -43,8 +44,10 @@ def check_args(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, bl
 
 def prefill_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, ctx_lens: torch.Tensor,
-                          scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's first ``ctx_len`` keys / values gathered from its pages, then
+                          scale: float, gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's first ``ctx_len`` keys / values gathered from its pages (dequantized with their
+    scales ``[num_pages, P, Hkv]`` where given: one-byte pages, ``cache/kv_quant.py``), then
     ``attention.causal_attention`` (fp32 scores and softmax); ``[T, H, D]`` in ``q``'s dtype,
     times ``sigmoid(gate)`` when a gate is given (as the torch path of ``Attention`` applies it)."""
     from .attention import causal_attention  # here: attention.py imports this module
@@ -65,13 +68,17 @@ def prefill_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
         pages = block_tables[r, : -(-ctx // page)].long()
         keys = k_pages[pages].flatten(0, 1)[:ctx]
         values = v_pages[pages].flatten(0, 1)[:ctx]
+        if k_scale is not None:
+            keys = dequantize(keys, k_scale[pages].flatten(0, 1)[:ctx], torch.float32)
+            values = dequantize(values, v_scale[pages].flatten(0, 1)[:ctx], torch.float32)
         out[start:end] = causal_attention(q[start:end], keys, values, scale)
     return out if gate is None else out * torch.sigmoid(gate)
 
 
 def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, ctx_lens: torch.Tensor,
-                      max_seqlen_q: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+                      max_seqlen_q: int, scale: float, gate: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[T, H, D]`` (times ``sigmoid(gate)`` with a gate ``[T, H, D]``, any row and
     head strides). ``max_seqlen_q``, the longest row's query count, is known on the host from the
     step's plan; it sizes the kernel's grid, so no device value is read."""
@@ -79,5 +86,6 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
         from .prefill_attention_triton import prefill_attention_triton
 
         return prefill_attention_triton(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens,
-                                        max_seqlen_q, scale, gate)
-    return prefill_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens, scale, gate)
+                                        max_seqlen_q, scale, gate, k_scale=k_scale, v_scale=v_scale)
+    return prefill_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens, scale, gate,
+                                 k_scale, v_scale)
