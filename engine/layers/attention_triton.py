@@ -70,14 +70,21 @@ def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_pt
 
 @triton.jit
 def _quantize_row(x, scale_ptr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """A row in the pages' units (saturated; int8 rounded half away from zero, e4m3 rounded by the
-    store's cast), its scale stored at ``scale_ptr``."""
+    """A row in the pages' units, saturated and rounded to nearest (half away from zero) on the
+    grid of the element type: int8's integers, or e4m3's values (3 mantissa bits, subnormals below
+    2^-6), so the store's cast is exact (Triton's interpreter rounds an fp32 -> e4m3 cast that
+    carries into the next binade wrongly: 31.7 to 16); its scale stored at ``scale_ptr``."""
     scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, 1e-30)
     tl.store(scale_ptr, scale)
     y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    a = tl.abs(y)
     if QUANT == 1:
-        y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
-    return y
+        a = tl.floor(a + 0.5)
+    else:
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # the binade (subnormals: -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): the grid there
+        a = tl.floor(a / step + 0.5) * step
+    return tl.where(y < 0, -a, a)
 
 
 def decode_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
