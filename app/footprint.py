@@ -33,9 +33,15 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
     return int(params.matrices * bits / 8) + rest
 
 
+KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
+
+
 def kv_bytes_per_token(shape: ModelShape, elt: int, attention_layers: int | None = None) -> int:
+    """K and V of one token in every attention layer, ``elt`` bytes per element (1: fp8 / int8,
+    with their scales)."""
     layers = shape.n_attention if attention_layers is None else attention_layers
-    return 2 * layers * shape.config.num_key_value_heads * shape.config.head_dim * elt
+    row = shape.config.head_dim * elt + (KV_SCALE_BYTES if elt == 1 else 0)
+    return 2 * layers * shape.config.num_key_value_heads * row
 
 
 def state_bytes_per_lane(shape: ModelShape, elt: int) -> int:
@@ -56,9 +62,10 @@ class Settings:
     prefill_chunk: int
     drafts: int
     weights: str  # a WEIGHT_BITS key
-    elt: int  # bytes of the compute / KV dtype
+    elt: int  # bytes of the compute dtype (and of the KV cache's elements, unless kv_elt says)
     cuda: bool
     page_size: int = 16
+    kv_elt: int | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8 (None: elt)
 
     @property
     def kv_tokens(self) -> int:
@@ -81,8 +88,8 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
     parts = {
         "weights": weight_bytes(shape.params, s.weights, s.elt),
         "mtp_weights": weight_bytes(shape.mtp_params, s.weights, s.elt) if mtp else 0,
-        "kv_pool": s.kv_tokens * kv_bytes_per_token(shape, s.elt),
-        "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.elt, shape.mtp_layers) if mtp else 0,
+        "kv_pool": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt),
+        "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt, shape.mtp_layers) if mtp else 0,
         # one state per lane, plus one per draft position so that a rejected draft needs no replay
         "states": s.lanes * (1 + s.drafts) * state_bytes_per_lane(shape, s.elt),
         "workspace": workspace,

@@ -3,54 +3,27 @@ dequantized load: every projection held quantized, the same perplexity on a long
 same answer to the README's question at temperature 0."""
 from __future__ import annotations
 
-import importlib.metadata
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.frontend.chat_template import ChatTemplate
 from ninfer.engine.layers.linear import Int4CpuMethod, Linear
 from ninfer.engine.loader import load_model
-from ninfer.engine.models.base import ForwardBatch
 from ninfer.engine.request import Request
 from ninfer.engine.sampling_params import SamplingParams
+from support.perplexity import perplexity
+from support.perplexity import text_ids as english_ids
 
 pytestmark = pytest.mark.slow
 
-TEXT_TOKENS = 4096  # tokens scored
-WINDOW = 1024  # each scored with the tokens before it in its window as context
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def english_text() -> str:
-    """numpy's license file (numpy is always installed: the loader reads GGUF through it), about
-    47K characters of English, the GPL among them."""
-    files = importlib.metadata.distribution("numpy").files or []
-    paths = sorted((f for f in files if f.name == "LICENSE.txt" and "dist-info" in str(f)), key=lambda f: len(str(f)))
-    if not paths:
-        pytest.skip("numpy's LICENSE.txt is not installed")
-    return paths[0].read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
 def models(smollm2):
     return {w: load_model(smollm2, "cpu", torch.float32, w) for w in ("auto", "dense")}
-
-
-@torch.no_grad()
-def perplexity(model, ids: list[int]) -> float:
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, WINDOW):
-        window = ids[start : start + WINDOW + 1]
-        hidden = model(torch.tensor(window[:-1]), ForwardBatch.single(len(window) - 1, model.new_cache()))
-        logits = model.compute_logits(hidden)
-        nll += F.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum").item()
-        count += len(window) - 1
-    return math.exp(nll / count)
 
 
 def test_every_matrix_is_held_quantized(models):
@@ -69,9 +42,7 @@ def test_every_matrix_is_held_quantized(models):
 
 @pytest.fixture(scope="module")
 def text_ids(smollm2) -> list[int]:
-    ids = smollm2.tokenizer.encode(english_text())
-    assert len(ids) > TEXT_TOKENS
-    return ids[: TEXT_TOKENS + 1]
+    return english_ids(smollm2.tokenizer)
 
 
 @pytest.fixture(scope="module")
