@@ -151,3 +151,19 @@ def test_the_server_flag_reaches_the_engine_and_4bit_is_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--model", "m", "--kv-dtype", bad])
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_speculated_steps_over_one_byte_pages_give_the_tokens_of_one_token_steps(kv_dtype, tmp_path_factory):
+    """``--spec ngram`` verify rows read and write one-byte pages as decode rows do: a rejected
+    draft's K/V and scales are overwritten, and the tokens are those of one-token steps."""
+    from support.decode_paths import load_parts
+    from support.overlap import drive
+
+    llama = load_parts("llama", tmp_path_factory)
+    specs = {3: {"max_tokens": 80}}
+    engines = []
+    plain, _ = drive(llama, False, specs, kv_dtype=kv_dtype)
+    fast, _ = drive(llama, False, specs, spec="ngram", engine_out=engines, kv_dtype=kv_dtype)
+    assert engines[0].caches.kv.k_scales is not None  # one-byte pages
+    assert fast == plain and engines[0].counters.spec_accepted_tokens > 0
