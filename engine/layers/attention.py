@@ -6,7 +6,8 @@ Projections, norms and RoPE run on the whole flat token run. In an engine step (
 the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
 reference path it runs per sequence against that sequence's cache. The pages may hold one byte
 per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``,
-``cache/kv_quant.py``): written quantized, read dequantized inside the attention.
+``cache/kv_quant.py``): keys and queries rotated, K/V written quantized, read dequantized inside
+the attention.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv_quant import quantize, raw_bytes
+from ..cache.kv_quant import quantize, raw_bytes, rotation
 from .fused_linear import NormFusedInput, fuse_linears, split_linear
 from .linear import Linear
 from .norm import RMSNorm
@@ -166,13 +167,16 @@ class Attention(NormFusedInput, nn.Module):
         Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
         path is its reference."""
         k_pages, v_pages, k_scale, v_scale = meta.kv.layer(meta.attn_ordinal[self.layer_idx])
-        if on_triton(q):
+        if on_triton(q) and k_scale is None:
             gate = self._gate(q)
-            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages, k_scale, v_scale)
-        else:
+            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
+        else:  # the torch path; one-byte pages take it on the GPU too, for the keys' rotation
             q, k, v, gate = self._prepare(q, k, v, positions)
             hkv, hd = self.num_kv_heads, self.head_dim
-            if k_scale is not None:  # one-byte pages: bytes and a scale per (token, head) row
+            if k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and a scale per row
+                h = rotation(hd, q.device, q.dtype)
+                if h is not None:
+                    q, k = torch.matmul(q, h), torch.matmul(k, h)
                 (k, ks), (v, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
                 k_scale.view(-1, hkv).index_copy_(0, meta.write_index, ks)
                 v_scale.view(-1, hkv).index_copy_(0, meta.write_index, vs)
@@ -204,8 +208,7 @@ class Attention(NormFusedInput, nn.Module):
         return q.view(q.shape[0], self.num_heads, 2 * d)[:, :, d:] if self.gated else None
 
     def _qkv_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   write_index: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         """q/k norm + RoPE + K/V write into the pages, one Triton launch; the rotated query."""
         from .attention_triton import decode_qkv_triton
 
@@ -214,5 +217,4 @@ class Attention(NormFusedInput, nn.Module):
             q, k, v, positions, self.rotary.inv_freq_on(q.device),
             None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
             norm is not None and norm.zero_centered, 0.0 if norm is None else norm.eps,
-            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim,
-            k_scale, v_scale)
+            write_index, k_pages, v_pages, self.num_heads, 2 * self.head_dim if self.gated else self.head_dim)

@@ -6,9 +6,7 @@ optional), rotated (neox layout on the first ``rotary_dim`` dims, angles ``posit
 in fp32) and written to a packed ``[B, H, D]`` query; key heads get the same treatment and are
 written with their value rows straight into the row's page slot (``write_index``). This replaces
 about twenty small torch ops per attention layer. Reference: the module's own torch path in
-``Attention.forward`` (``RMSNorm``, ``RotaryEmbedding``, the cache's K/V write). One-byte pages
-(``--kv-dtype fp8`` / ``int8``): each K and V row is written as bytes with its scale
-(``amax / QMAX``) beside it, as ``cache.kv_quant.quantize`` does.
+``Attention.forward`` (``RMSNorm``, ``RotaryEmbedding``, the cache's K/V write).
 """
 from __future__ import annotations
 
@@ -16,17 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cache.kv_quant import QMAX
 from .norm_triton import inv_rms
 from .pdl import pdl_options, pdl_wait
 
 
 @triton.jit
 def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_ptr, inv_freq_ptr,
-                       qw_ptr, kw_ptr, write_ptr, k_pages_ptr, v_pages_ptr, ks_ptr, vs_ptr, q_out_ptr, eps,
+                       qw_ptr, kw_ptr, write_ptr, k_pages_ptr, v_pages_ptr, q_out_ptr, eps,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
-                       ROT: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -60,42 +56,18 @@ def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, pos_pt
         tl.store(q_out_ptr + (b * H + j) * D + d, out.to(q_out_ptr.dtype.element_ty))
     else:
         row = tl.load(write_ptr + b).to(tl.int64) * HKV + (j - H)
-        vals = tl.load(v_ptr + b * stride_v + (j - H) * D + d)
-        if QUANT != 0:
-            out = _quantize_row(out, ks_ptr + row, QUANT, QMAX)
-            vals = _quantize_row(vals.to(tl.float32), vs_ptr + row, QUANT, QMAX)
         tl.store(k_pages_ptr + row * D + d, out.to(k_pages_ptr.dtype.element_ty))
+        vals = tl.load(v_ptr + b * stride_v + (j - H) * D + d)
         tl.store(v_pages_ptr + row * D + d, vals.to(v_pages_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _quantize_row(x, scale_ptr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """A row in the pages' units, saturated and rounded to nearest (half away from zero) on the
-    grid of the element type: int8's integers, or e4m3's values (3 mantissa bits, subnormals below
-    2^-6), so the store's cast is exact (Triton's interpreter rounds an fp32 -> e4m3 cast that
-    carries into the next binade wrongly: 31.7 to 16); its scale stored at ``scale_ptr``."""
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, 1e-30)
-    tl.store(scale_ptr, scale)
-    y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
-    a = tl.abs(y)
-    if QUANT == 1:
-        a = tl.floor(a + 0.5)
-    else:
-        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # the binade (subnormals: -6)
-        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): the grid there
-        a = tl.floor(a / step + 0.5) * step
-    return tl.where(y < 0, -a, a)
 
 
 def decode_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                       zero_centered: bool, eps: float, write_index: torch.Tensor, k_pages: torch.Tensor,
-                      v_pages: torch.Tensor, num_heads: int, q_head_stride: int,
-                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_pages: torch.Tensor, num_heads: int, q_head_stride: int) -> torch.Tensor:
     """``q`` ``[B, *]`` with head ``j`` at columns ``j * q_head_stride`` (``2D`` when a gate is
     interleaved), ``k``/``v`` ``[B, Hkv * D]``; rows may be strided. Writes K/V at ``write_index``
-    rows of the pages ``[num_pages, P, Hkv, D]`` (one-byte pages: their scales into ``k_scale`` /
-    ``v_scale`` ``[num_pages, P, Hkv]``) and returns the rotated query ``[B, H, D]``."""
+    rows of the pages ``[num_pages, P, Hkv, D]`` and returns the rotated query ``[B, H, D]``."""
     b = q.shape[0]
     _, _, hkv, d = k_pages.shape
     rot = 2 * inv_freq.shape[0]
@@ -106,14 +78,10 @@ def decode_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         raise ValueError("decode_qkv: rows must have unit column stride")
     out = torch.empty((b, num_heads, d), dtype=q.dtype, device=q.device)
     norm = 0 if q_norm is None else (2 if zero_centered else 1)
-    quant = 0 if k_scale is None else (1 if k_pages.dtype == torch.int8 else 2)
-    if quant and not (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == k_pages.shape[:-1]):
-        raise ValueError(f"decode_qkv: scales {tuple(k_scale.shape)} for pages {tuple(k_pages.shape)}")
     _decode_qkv_kernel[(b, num_heads + hkv)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, inv_freq,
         q_norm if q_norm is not None else inv_freq, k_norm if k_norm is not None else inv_freq,
-        write_index, k_pages, v_pages, k_scale if quant else out, v_scale if quant else out, out, eps,
-        H=num_heads, HKV=hkv, D=d, Q_HEAD_STRIDE=q_head_stride, ROT=rot, NORM=norm, QUANT=quant,
-        QMAX=QMAX[k_pages.dtype] if quant else 1.0, num_warps=1,
+        write_index, k_pages, v_pages, out, eps,
+        H=num_heads, HKV=hkv, D=d, Q_HEAD_STRIDE=q_head_stride, ROT=rot, NORM=norm, num_warps=1,
         **pdl_options(q))
     return out
