@@ -174,9 +174,9 @@ class Attention(NormFusedInput, nn.Module):
             q, k, v, gate = self._prepare(q, k, v, positions)
             hkv, hd = self.num_kv_heads, self.head_dim
             if k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and a scale per row
-                h = rotation(hd, q.device, q.dtype)
-                if h is not None:
-                    q, k = torch.matmul(q, h), torch.matmul(k, h)
+                h = rotation(hd, q.device, torch.float32)
+                if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype
+                    q, k = torch.matmul(q.float(), h).to(q.dtype), torch.matmul(k.float(), h)
                 (k, ks), (v, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
                 k_scale.view(-1, hkv).index_copy_(0, meta.write_index, ks)
                 v_scale.view(-1, hkv).index_copy_(0, meta.write_index, vs)
