@@ -11,9 +11,9 @@ calibration step and state; a per-row scale is computed where the row is written
 per ``D`` (3% at ``D = 128``, 6% at 64) and makes every row's error relative to its own size. It
 is what many engines do for int8 KV. Writes round to nearest (half away from zero for int8,
 the cast's round-to-nearest-even for e4m3) and saturate at ``QMAX``; the attention reads the
-bytes, converts them exactly to the compute dtype, and multiplies the scores by the key scales
-and the softmax weights by the value scales (the kernels), or dequantizes the gathered rows
-first (the torch paths and the references).
+bytes, converts the keys exactly to the compute dtype and multiplies the scores by their scales,
+and dequantizes each value tile in fp32 (the kernels), or dequantizes the gathered rows first
+(the torch paths and the references).
 
 Keys and queries are rotated first (``rotation``: an orthonormal Hadamard matrix per head, so
 ``q H . k H = q . k`` and the scores are unchanged): keys carry a few outlier channels (RoPE's low

@@ -3,8 +3,8 @@
 ``paged_decode_attention`` dispatches to the Triton kernel (``paged_attention_triton.py``) on CUDA
 and to ``paged_decode_attention_ref`` elsewhere; the reference is what the kernel is tested against. Pages of one-byte elements (``--kv-dtype fp8``
 / ``int8``) come with ``k_scale`` / ``v_scale`` ``[num_pages, P, Hkv]``, one per row
-(``cache/kv_quant.py``): the references dequantize the gathered rows, the kernel folds the scales
-into the scores and the softmax weights.
+(``cache/kv_quant.py``): the references dequantize the gathered rows, the kernel folds the key
+scales into the scores and dequantizes the value tiles.
 """
 from __future__ import annotations
 
