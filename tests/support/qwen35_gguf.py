@@ -19,6 +19,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from support.gguf_files import write_gguf
 from support.tiny import train_tokenizer
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -155,20 +156,7 @@ def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
     cfg = model.config
     arch = "qwen35moe" if getattr(cfg, "num_experts", 0) else "qwen35"
     meta = {**metadata(model, tokenizer), **(extra or {})}
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    for key, value in meta.items():
-        if value is None:
-            continue
-        if isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        else:
-            writer.add_bool(key, value)
+    tensors = []
     for name, t in to_gguf_tensors(model, fuse_experts).items():
         if name in drop:
             continue
@@ -176,15 +164,10 @@ def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
         kind = name.rpartition(".")[0].rpartition(".")[2] if name.startswith("blk.") else name.rpartition(".")[0]
         if qtype is not None and kind in PROJECTIONS and array.ndim == 2 and array.shape[1] % 32 == 0:
             if qtype == Q.F16:
-                writer.add_tensor(name, array.astype(np.float16))
+                tensors.append((name, array.astype(np.float16), None))
             else:
-                writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+                tensors.append((name, quantize(array, qtype), qtype))
         else:
-            writer.add_tensor(name, array)
-    for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, array.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            tensors.append((name, array, None))
+    tensors += [(name, array.astype(np.float32), None) for name, array in (extra_tensors or {}).items()]
+    return write_gguf(path, tensors, {k: v for k, v in meta.items() if v is not None}, arch)
