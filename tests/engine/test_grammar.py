@@ -15,6 +15,7 @@ from ninfer.engine.grammar import GrammarError, GrammarSpec
 from ninfer.engine.loader import load_checkpoint, load_model
 from ninfer.engine.request import Request
 from ninfer.engine.sampling_params import SamplingParams, ThinkingControl
+from support.overlap import count_launched_ahead
 from support.tiny import save_tiny_llama
 
 EOS = 2
@@ -167,15 +168,7 @@ def _launch_ahead_batch(parts, overlap: bool) -> tuple[dict[str, dict], int]:
     saw them, and how many steps were launched ahead."""
     tok = parts[1]
     eng = engine(parts, overlap=overlap)
-    ahead = 0
-    launch_next = eng.runner.launch_next
-
-    def counting(*a, **k):
-        nonlocal ahead
-        ahead += 1
-        return launch_next(*a, **k)
-
-    eng.runner.launch_next = counting
+    ahead = count_launched_ahead(eng)
     spec = GrammarSpec.json_schema(SCHEMA, "response_format")
     words = GrammarSpec("regex", r"[a-z ]{6,40}", "guided_regex")
     think = ThinkingControl(end_id=7, budget=5, close_ids=(7,))
@@ -213,7 +206,7 @@ def _launch_ahead_batch(parts, overlap: bool) -> tuple[dict[str, dict], int]:
         for out in eng.step():
             collect(out)
     assert eng.caches.idle()
-    return seen, ahead
+    return seen, ahead()
 
 
 def test_constrained_rows_launched_ahead_keep_every_token(parts):

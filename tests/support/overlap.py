@@ -17,6 +17,20 @@ def make(i: int, tok, **params) -> Request:
                    max_total_tokens=160)
 
 
+def count_launched_ahead(engine: LLMEngine):
+    """Count the decode steps ``engine`` launches ahead from now on; call the result for the count."""
+    count = 0
+    launch_next = engine.runner.launch_next
+
+    def counting(*a, **k):
+        nonlocal count
+        count += 1
+        return launch_next(*a, **k)
+
+    engine.runner.launch_next = counting
+    return lambda: count
+
+
 def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort_at: dict | None = None,
           device: str = "cpu", cuda_graphs: bool = True, engine_out: list | None = None, **config):
     """Run requests built from ``specs`` (id -> params); ``arrivals`` adds a request once another
@@ -30,15 +44,7 @@ def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort
                                                 dtype=next(model.parameters()).dtype, **config))
     if engine_out is not None:
         engine_out.append(engine)
-    launched_ahead = 0
-    launch_next = engine.runner.launch_next
-
-    def counting(*a, **k):
-        nonlocal launched_ahead
-        launched_ahead += 1
-        return launch_next(*a, **k)
-
-    engine.runner.launch_next = counting
+    launched_ahead = count_launched_ahead(engine)
     reqs = {i: make(i, tok, **p) for i, p in specs.items()}
     arrivals, abort_at = dict(arrivals or {}), dict(abort_at or {})
     for i, r in reqs.items():
@@ -70,7 +76,7 @@ def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort
         for out in engine.step():
             collect(out)
     assert engine.caches.idle()
-    return seen, launched_ahead
+    return seen, launched_ahead()
 
 
 def reference_tokens(parts, i: int, n: int, **kw) -> list[int]:
