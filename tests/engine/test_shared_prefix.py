@@ -6,24 +6,17 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
-from ninfer.engine.loader import load_model
-from ninfer.engine.loader.embedded import EmbeddedModelMissing, embedded_model_path
-from ninfer.engine.loader.gguf_loader import load_gguf
 from ninfer.engine.request import Request
 from ninfer.engine.sampling_params import SamplingParams
+from support.embedded import embedded_parts
 
 
 @pytest.fixture(scope="module")
 def parts():
-    try:
-        ckpt = load_gguf(embedded_model_path())
-    except EmbeddedModelMissing as exc:
-        pytest.skip(str(exc))
-    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+    return embedded_parts()
 
 
 def finish(eng: LLMEngine, prompts: dict[str, list[int]]) -> tuple[float, dict[str, tuple[list[int], int]]]:

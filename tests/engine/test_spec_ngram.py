@@ -195,15 +195,9 @@ def test_spec_off_makes_no_drafts(parts):
 # ---------------------------------------------------------------------------- the embedded model
 @pytest.fixture(scope="module")
 def smollm2():
-    from ninfer.engine.loader import load_model
-    from ninfer.engine.loader.embedded import EmbeddedModelMissing, embedded_model_path
-    from ninfer.engine.loader.gguf_loader import load_gguf
+    from support.embedded import embedded_parts
 
-    try:
-        ckpt = load_gguf(embedded_model_path())
-    except EmbeddedModelMissing as exc:
-        pytest.skip(str(exc))
-    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+    return embedded_parts()
 
 
 CODE = '''def area(width, height):
