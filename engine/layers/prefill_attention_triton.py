@@ -35,15 +35,16 @@ from .prefill_attention import check_args
 @triton.jit
 def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, mask, dtype, D: tl.constexpr, MASKED: tl.constexpr,
              QUANT: tl.constexpr):
-    """A K/V tile in ``dtype`` (values dequantized) and the keys' scales (None unquantized);
-    rows outside ``mask`` read as zeros when ``MASKED``."""
+    """A K/V tile in ``dtype`` (values dequantized) and the keys' scales (unused zeros when
+    unquantized: a jitted function cannot return None); rows outside ``mask`` read as zeros when
+    ``MASKED``."""
     if MASKED:
         k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :])
         v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :])
-    ks = None
+    ks = tl.zeros_like(rows).to(tl.float32)
     if QUANT:
         if MASKED:
             ks = tl.load(ks_ptr + rows, mask=mask, other=0.0)
