@@ -51,10 +51,14 @@ def moving_slots(config: EngineConfig, checkpoints: int) -> int:
 
 def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:
     """Tokens of KV that free memory holds beside the state slots (sequences', checkpoints' and
-    their copies' in flight)."""
+    their copies' in flight), up to what the running requests and the prefix checkpoints can use:
+    a checkpoint holds the pages of its prefix, so a pool sized for the running requests alone
+    would move every finished prompt's pages to host memory as the next prompt arrives, on that
+    prompt's time."""
     slots = (config.max_concurrency + checkpoints + moving_slots(config, checkpoints)) * _slot_bytes(model, config)
     budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
-    return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype), config.max_concurrency * config.max_context)
+    wanted = (config.max_concurrency + checkpoints) * config.max_context
+    return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype), wanted)
 
 
 CHECKPOINTS_PER_REQUEST = 4  # device prefix checkpoints kept per concurrent request by default

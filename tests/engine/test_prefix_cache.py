@@ -203,3 +203,18 @@ def test_the_default_keeps_four_checkpoints_per_concurrent_request_as_memory_all
     # their state slots take at most a quarter of free memory: 48 do not fit in 30 slots' worth
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 4 * 30 * slot)
     assert memory.prefix_checkpoints(model, config(max_concurrency=12)) == 24
+
+
+def test_a_pool_sized_by_default_keeps_a_finished_prompt_on_the_device_while_the_next_one_runs(parts):
+    """With the pool sized from free memory (no ``kv_capacity``), one lane and a prompt of nearly
+    ``max_context``: the next user's prompt of the same length finds room beside the first one's
+    checkpoint, so nothing goes to host memory on its time, and the first user's next turn is served
+    from the device."""
+    eng = engine(parts, max_concurrency=1, kv_capacity=None, max_context=480)
+    first, second = [5 + i % 80 for i in range(400)], [7 + i % 70 for i in range(400)]
+    (got, _), = run(eng, [req("a", first, max_total_tokens=480)]).values()
+    assert run(eng, [req("b", second, max_total_tokens=480)])["b"][1] == 0
+    assert eng.caches.host_checkpoint_bytes == 0  # the first prompt's pages stayed where they were
+    back = req("a2", first + got + [9, 10, 11], max_total_tokens=480)
+    assert run(eng, [back])["a2"][1] == 400 + len(got) - 1
+    assert back.reuse["tier"] == "gpu"

@@ -49,6 +49,6 @@ def run(eng: LLMEngine, requests: list[Request], each_step=None) -> dict[str, tu
 
 
 def req(name: str, ids: list[int], n: int = 8, **kw) -> Request:
-    """A greedy request for ``n`` tokens, eos ignored."""
+    """A greedy request for ``n`` tokens, eos ignored (``max_total_tokens`` 320 unless given)."""
     return Request(name, list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                   max_total_tokens=320, **kw)
+                   **{"max_total_tokens": 320, **kw})
