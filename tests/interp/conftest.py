@@ -27,3 +27,13 @@ def _patch_with_scalar_index(tensor, scope) -> None:
 
 
 interpreter._patch_lang_tensor = _patch_with_scalar_index
+
+from support import kernel_lowering  # noqa: E402
+
+# every interpreted launch is noted; test_kernels_lower.py lowers them for the GPU at the end
+kernel_lowering.record_launches()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The lowering check runs after every test that launches kernels."""
+    items.sort(key=lambda item: item.path.name == "test_kernels_lower.py")
