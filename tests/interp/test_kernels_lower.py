@@ -7,6 +7,7 @@ launch."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from support import kernel_lowering
 
@@ -18,3 +19,26 @@ def test_launched_kernels_lower_for_sm90():
     failures = kernel_lowering.lower_recorded(launches)
     assert not failures, (f"{len(failures)} of {len(launches)} kernel variants do not lower to TTIR:\n\n"
                           + kernel_lowering.report(failures))
+
+
+def test_a_kernel_the_compiler_rejects_is_reported(monkeypatch):
+    """The check itself: a kernel whose helper returns None runs under the interpreter, and its
+    lowering fails naming the kernel, its file, the variant and the compiler's error; the variant
+    that never returns None lowers."""
+    from support import unlowerable
+
+    monkeypatch.setattr(kernel_lowering, "_recorded", dict(kernel_lowering._recorded))  # its launches stay here
+    x = torch.arange(8, dtype=torch.float32)
+    for scaled in (False, True):
+        out = torch.empty_like(x)
+        launch = kernel_lowering.launch_of(unlowerable.double_kernel, (x, out), {"N": 8, "SCALED": scaled})
+        unlowerable.double_kernel[(1,)](x, out, N=8, SCALED=scaled)
+        assert torch.equal(out, 2 * x)
+        failures = kernel_lowering.lower_recorded([launch])
+        if scaled:
+            assert failures == []
+            continue
+        report = kernel_lowering.report(failures)
+        assert "support.unlowerable.double_kernel" in report and "unlowerable.py:" in report
+        assert "(N=8, SCALED=False)" in report
+        assert "'NoneType' object has no attribute 'type'" in report

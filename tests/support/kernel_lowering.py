@@ -75,7 +75,8 @@ def _binder(kernel):
     return jit, create_function_from_signature(jit.signature, jit.params, _backend())
 
 
-def _launch(kernel, args, kwargs) -> Launch:
+def launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
+    """The variant that ``kernel[grid](*args, **kwargs)`` compiles (an interpreted kernel)."""
     from triton._utils import find_paths_if, get_iterable_path
 
     jit, binder = _binder(kernel)
@@ -98,7 +99,7 @@ def record_launches() -> None:
         return
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        launch = _launch(self, args, kwargs)
+        launch = launch_of(self, args, kwargs)
         _recorded.setdefault((launch.module, launch.name, launch.signature, repr(launch.constexprs)), launch)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -108,11 +109,10 @@ def record_launches() -> None:
 
 @dataclass(frozen=True)
 class Failure:
+    """A launch the compiler's front end rejected: the kernel's file and line, its message."""
     launch: Launch
     file: str
     message: str
-
-
 
 def report(failures: list[Failure]) -> str:
     """The failures by kernel and message: the kernel, its file, the constexprs of each variant
@@ -128,16 +128,12 @@ def report(failures: list[Failure]) -> str:
 def lower_recorded(launches: list[Launch] | None = None, timeout: float = 120.0) -> list[Failure]:
     """Lower each launch (default: all recorded) to TTIR for sm_90 in a child process; the ones
     the compiler's front end rejects, with the file of the kernel and the compiler's message."""
-    import ninfer
-
     launches = recorded() if launches is None else launches
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(ninfer.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="ninfer-lowering-") as folder:
         todo, found = os.path.join(folder, "launches.pickle"), os.path.join(folder, "failures.pickle")
-        with open(todo, "wb") as f:  # plain tuples: the child loads this file as a script, not as support
-            pickle.dump([(l.module, l.name, l.signature, l.constexprs) for l in launches], f)
+        with open(todo, "wb") as f:  # plain tuples: the child runs this file as a script, not as support
+            pickle.dump((sys.path, [(l.module, l.name, l.signature, l.constexprs) for l in launches]), f)
         done = subprocess.run([sys.executable, os.path.abspath(__file__), todo, found], capture_output=True,
                               env=env, timeout=timeout, check=False)
         if done.returncode != 0:
@@ -185,6 +181,8 @@ def _lower_all(launches: list[tuple]) -> list[tuple[int, str, str]]:
 
 if __name__ == "__main__":  # the child process of lower_recorded: python kernel_lowering.py IN OUT
     with open(sys.argv[1], "rb") as f:
-        result = _lower_all(pickle.load(f))
+        path, todo = pickle.load(f)
+    sys.path[:0] = path  # the kernels' modules import as in the tests' process
+    result = _lower_all(todo)
     with open(sys.argv[2], "wb") as f:
         pickle.dump(result, f)
