@@ -3,7 +3,10 @@
 ``launchers/test.sh`` runs this folder as a second pass with ``TRITON_INTERPRET=1`` (the variable
 must be set before any kernel is defined, so it cannot share a process with the main pass, which
 leaves this folder out). Every kernel then runs on CPU tensors with numpy, checking what it
-computes on machines without a GPU; speed and compilation are the GPU tests' part.
+computes on machines without a GPU. Each launch is also noted, and test_kernels_lower.py, run
+last, lowers every variant launched to Triton IR for an sm_90 GPU, which finds what the compiler's
+front end rejects but the interpreter runs; speed and the rest of compilation are the GPU tests'
+part.
 """
 from __future__ import annotations
 
@@ -27,3 +30,13 @@ def _patch_with_scalar_index(tensor, scope) -> None:
 
 
 interpreter._patch_lang_tensor = _patch_with_scalar_index
+
+from support import kernel_lowering  # noqa: E402
+
+# every interpreted launch is noted; test_kernels_lower.py lowers them for the GPU at the end
+kernel_lowering.record_launches()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The lowering check runs after every test that launches kernels."""
+    items.sort(key=lambda item: item.path.name == "test_kernels_lower.py")
