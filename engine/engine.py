@@ -334,19 +334,40 @@ class LLMEngine:
                 outputs += self._postprocess([req], run, lps)
                 continue
             try:
-                outputs.append(self._verify(req, run, draft, lps))
+                outputs.append(self._verify(req, run, draft, lps, launched.verify))
             except Exception as exc:  # noqa: BLE001 - as in _postprocess: this request alone ends
                 outputs.append(self._fail(req, exc))
         return outputs
 
     def _verify(self, req: Request, targets: list[int], draft: list[int],
-                logprobs: list[TokenLogprob | None]) -> RequestOutput:
+                logprobs: list[TokenLogprob | None], states=None) -> RequestOutput:
         """Commit what a verified draft gives: the drafts the model's own tokens (``targets``, one
         per position run) confirm, then the model's token after them, one at a time through
         ``_append_token`` (so stop tokens and strings, ``max_tokens``, the context limit and the
         thinking budget end or change the run exactly where one-token steps would); the KV of the
-        positions past what is kept is dropped by setting ``num_computed`` back."""
+        positions past what is kept is dropped by setting ``num_computed`` back, and in a hybrid
+        model the Gated DeltaNet states after the last position kept (``states``, the step's
+        ``VerifyRows``) go back in the request's slot (``_settle_states``: before any checkpoint
+        of the request is taken, at the latest when this returns)."""
         start = req.num_computed - len(draft) - 1  # where the row began: its last sampled token
+        if states is not None:
+            req.verify_states = (states, start)
+        try:
+            return self._commit_round(req, start, targets, draft, logprobs)
+        finally:
+            self._settle_states(req)
+
+    def _settle_states(self, req: Request) -> None:
+        """Put the recurrent states of ``req``'s last verify row at its ``num_computed`` in its slot."""
+        pending, req.verify_states = req.verify_states, None
+        if pending is None or req.is_finished or req.cache is None or req.cache.slot is None:
+            return  # (a finished request settled before its checkpoint, if it kept one)
+        states, start = pending
+        states.commit(self.caches.states, req, req.cache.slot, req.num_computed - start - 1)
+
+    def _commit_round(self, req: Request, start: int, targets: list[int], draft: list[int],
+                      logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """``_verify``'s commit of the tokens a round gives."""
         kept = accepted(targets, draft)
         req.draft = []
         req.spec_drafted += len(draft)
@@ -433,6 +454,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str,
                 error: str | None = None) -> RequestOutput:
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.cache is not None:
+            self._settle_states(req)  # a verify row's: the checkpoint below copies the slot
             if req.checkpoint_answer and req.output_ids and req.num_computed > len(req.prompt_ids):
                 # where the answer ends (all but its last token computed, or all when a step
                 # launched ahead ran it): queued behind every step that wrote this sequence

@@ -107,10 +107,6 @@ class EngineConfig:
     def check_for_model(self, model: ModelConfig) -> None:
         """Settings that depend on the model's shape; a ValueError names the flag and the
         largest value that works."""
-        if self.spec != "off" and model.is_hybrid:
-            raise ValueError(f"spec {self.spec!r} is not available for {model.family} yet: its Gated DeltaNet "
-                             "layers keep a recurrent state that a rejected draft cannot be truncated from (the "
-                             "per-position states of a verify step are a later part); serve it with --spec off")
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

@@ -81,6 +81,9 @@ class Request:
     ngram: Any = None
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # a verify row's Gated DeltaNet states not yet settled in the slot: (VerifyRows, the row's
+    # first position), while the engine commits the round (``LLMEngine._verify``)
+    verify_states: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -46,6 +46,7 @@ class Launched:
         self.in_place = False  # the tokens are where a captured graph reads its next input ids
         self.logprobs: StepLogprobs | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.verify = None  # the step's VerifyRows (models/base.py), where rows verify drafts in a hybrid model
         self._host = None
         self._host_logprobs = None
         self._event = None
@@ -214,7 +215,9 @@ class ModelRunner:
             at += n
             req.num_computed += n
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
-        return self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
+        launched = self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
+        launched.verify = step.batch.step.verify
+        return launched
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

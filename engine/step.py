@@ -15,7 +15,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
-from .models.base import ForwardBatch, PromptRows, StepMeta
+from .models.base import ForwardBatch, PromptRows, StepMeta, VerifyRows
 from .request import Request
 
 
@@ -57,9 +57,11 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     changes nothing.
 
     A row that runs past ``num_tokens`` verifies its request's ``draft`` (speculative decoding,
-    attention-only models): it is laid out as one decode row per position, each with the context
+    speculative decoding): it is laid out as one decode row per position, each with the context
     up to itself over the same pages (every K/V is written before any row attends), so every
-    position is computed exactly as a one-token step computes it; all of them are sampled."""
+    position is computed exactly as a one-token step computes it; all of them are sampled. In a
+    model with Gated DeltaNet layers those rows share the request's state slot and run in waves
+    (``VerifyRows``, one position of every verifying request per wave)."""
     plan = order_rows(plan)
     page = caches.page_size
     layout = []  # (request, first position, new tokens): the rows StepMeta describes
@@ -135,10 +137,50 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
                             cu_seqlens_host=host[at:end], max_seqlen=max(n for _, _, n in layout[num_decode:]),
                             slots_host=slots[num_decode:])
         cu_at += len(_aligned(cu, 4))
+    verify = _verify_rows(layout, num_decode, verify, slots, device) if verify and caches.states is not None \
+        else None
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
-                    prompt=prompt)
+                    prompt=prompt, verify=verify)
     batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
     return Step(input_ids, batch, plan, sample_t, sampled, widths if len(sample) > len(sampled) else None)
+
+
+def _verify_rows(layout: list[tuple[Request, int, int]], num_decode: int, verify: set[int], slots: list[int],
+                 device: torch.device) -> VerifyRows:
+    """The waves of a step's verify rows (``VerifyRows``): wave 0 runs every decode row that is
+    not a verifying request's second position or later; wave ``j`` the ``j``-th of each."""
+    waves: list[list[int]] = [[]]
+    keep: list[tuple[list[int], list[int]]] = [([], [])]
+    requests: dict[int, tuple[int, int]] = {}
+    positions = 0
+    i = 0
+    while i < num_decode:
+        req = layout[i][0]
+        if id(req) not in verify:
+            waves[0].append(i)
+            i += 1
+            continue
+        width = 1
+        while i + width < num_decode and layout[i + width][0] is req:
+            width += 1
+        requests[id(req)] = (positions, width)
+        for j in range(width):
+            if j == len(waves):
+                waves.append([])
+                keep.append(([], []))
+            waves[j].append(i + j)
+            if j < width - 1:  # the state after its last position stays in the slot
+                keep[j][0].append(slots[i + j])
+                keep[j][1].append(positions + j)
+        positions += width - 1
+        i += width
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    return VerifyRows(waves=[ids(w) for w in waves],
+                      keep=[(ids(s), ids(at)) if s else None for s, at in keep],
+                      positions=positions, requests=requests)

@@ -2,7 +2,7 @@
 is token for token what one-token steps give, on a tiny random Llama and on the embedded
 SmolLM2, alone and beside other requests (prompts still being computed among them), through
 every way a request ends (length cut inside an accepted run, stop tokens and strings, aborts,
-a forced thinking close), with logprobs; drafts that hit are counted; a hybrid model is refused."""
+a forced thinking close), with logprobs; drafts that hit are counted (hybrid models: test_spec_hybrid.py)."""
 from __future__ import annotations
 
 import pytest
@@ -66,19 +66,10 @@ def test_settings_are_checked_by_name():
     assert EngineConfig().spec == "off"
 
 
-def test_a_hybrid_model_is_refused(tmp_path):
+def test_a_hybrid_model_is_accepted(tmp_path):
+    """Hybrid models speculate too (their verify rows keep per-position states: test_spec_hybrid.py)."""
     ckpt = load_checkpoint(save_tiny_qwen3_5(tmp_path / "qwen3_5"))
-    with pytest.raises(ValueError, match="spec 'ngram' is not available for qwen3_5.*Gated DeltaNet.*--spec off"):
-        EngineConfig(spec="ngram").check_for_model(ckpt.config)
-    EngineConfig(spec="off").check_for_model(ckpt.config)
-
-
-def test_the_server_refuses_a_hybrid_model_at_start(tmp_path, capsys):
-    from ninfer.server import cli
-
-    path = save_tiny_qwen3_5(tmp_path / "qwen3_5")
-    assert cli.main([str(path), "--spec", "ngram", "--engine-thread", "--device", "cpu"]) == 1
-    assert "spec 'ngram' is not available for qwen3_5" in capsys.readouterr().err
+    EngineConfig(spec="ngram").check_for_model(ckpt.config)
 
 
 # ---------------------------------------------------------------------------- exactness
