@@ -74,3 +74,89 @@ def test_every_accepted_length_rolls_back_to_the_right_state(hybrid, draft_token
     assert fast == plain
     assert 0 < counters.spec_accepted_tokens < counters.spec_draft_tokens
     assert len(counters.spec_accepted_by_position) == draft_tokens  # every position was accepted at times
+
+
+def states_by_position(parts, specs: dict, answers: dict | None = None, draft_tokens: int = 4):
+    """Run ``specs`` (with drafts from ``answers`` when given: an oracle) and copy each request's
+    Gated DeltaNet states (conv window, recurrent) after every step, by its computed tokens;
+    also return the outputs and the counters."""
+    from ninfer.engine.engine_config import EngineConfig
+    from support.overlap import make
+
+    model, tok = parts
+    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=32,
+                                                kv_capacity=2048, page_size=8, overlap=False,
+                                                spec="off" if answers is None else "ngram",
+                                                draft_tokens=draft_tokens))
+    if answers is not None:
+        use_drafter(engine, AnswerDrafter(answers, draft_tokens))
+    reqs = [make(i, tok, **p) for i, p in specs.items()]
+    for r in reqs:
+        engine.add_request(r)
+    states: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    rounds = []
+    while engine.has_work:
+        before = engine.counters.spec_rounds
+        engine.step()
+        rounds.append(engine.counters.spec_rounds - before)
+        pool = engine.caches.states
+        for r in reqs:
+            if not r.is_finished and r.num_computed > len(r.prompt_ids):
+                slot = r.cache.slot
+                states[r.request_id, r.num_computed] = (pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone())
+    return {r.request_id: r.output_ids for r in reqs}, states, engine.counters
+
+
+@pytest.fixture
+def row_by_row(monkeypatch):
+    """Projections computed one token row at a time: a CPU GEMM rounds a row differently with the
+    count of rows beside it (MKL's one-row and many-row kernels), which would make a verify
+    row's projections differ from one-token steps' in the last bit before any state is kept.
+    Decode attention likewise row by row over its own pages only (the padded width of a step's
+    block table changes the fused attention's blocking)."""
+    import torch.nn.functional as F
+
+    from ninfer.engine.layers import fused_linear, paged_attention
+
+    linear = F.linear
+
+    def rows(x, weight, bias=None):
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.cat([linear(flat[i : i + 1], weight, bias) for i in range(flat.shape[0])]) if flat.shape[0] \
+            else linear(flat, weight, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    monkeypatch.setattr(F, "linear", rows)
+    monkeypatch.setattr(fused_linear, "cpu_linear", rows)
+    attend = paged_attention.paged_decode_attention_sdpa
+
+    def attend_rows(q, k_pages, v_pages, block_tables, context_lens, scale, k_scale=None, v_scale=None):
+        page = k_pages.shape[1]
+        return torch.cat([attend(q[i : i + 1], k_pages, v_pages, block_tables[i : i + 1, : -(-int(n) // page)],
+                                 context_lens[i : i + 1], scale, k_scale, v_scale)
+                          for i, n in enumerate(context_lens.tolist())])
+
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_sdpa", attend_rows)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_oracle_drafter_is_always_accepted_and_leaves_the_exact_states(hybrid, batch, row_by_row):
+    """Done-when 3: drafts that are the model's own greedy tokens are all accepted, every round,
+    and after each round the recurrent and conv states are exactly (fp32, CPU) those a run
+    without drafts has at the same position (projections row by row in both: ``row_by_row``).
+    Where kernels round a row differently with the rows beside it the states are held to 1e-4:
+    batched (a plain run's states at batch 3 differ from its states alone by ~1e-5 already) and
+    in MoE layers (an expert's elementwise work rounds differently with its token count)."""
+    specs = {i: {"max_tokens": 26 + 3 * i} for i in range(batch)}
+    plain, plain_states, _ = states_by_position(hybrid, specs)
+    fast, fast_states, counters = states_by_position(hybrid, specs, answers=plain)
+    assert fast == plain
+    assert counters.spec_rounds > 0 and counters.spec_accepted_tokens == counters.spec_draft_tokens
+    assert counters.spec_draft_tokens >= 4 * counters.spec_rounds - 3 * batch  # full drafts but near the end
+    assert fast_states and set(fast_states) <= set(plain_states)
+    for key, (conv, rec) in fast_states.items():
+        if batch == 1 and not hybrid[0].config.is_moe:
+            assert torch.equal(conv, plain_states[key][0]) and torch.equal(rec, plain_states[key][1]), key
+        else:
+            torch.testing.assert_close(conv, plain_states[key][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(rec, plain_states[key][1], rtol=1e-4, atol=1e-4)
