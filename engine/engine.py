@@ -29,7 +29,7 @@ from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner
 from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
-from .spec import Drafter, accepted, speculates
+from .spec import Drafter, MTPDrafter, accepted, speculates
 from .stats import EngineCounters
 
 log = logging.getLogger("ninfer.engine")
@@ -45,19 +45,26 @@ class LLMEngine:
         # ids both the tokenizer decodes and the model embeds: prompts must stay below it, and
         # sampling never leaves it (a checkpoint's vocab_size may pad past its tokenizer's ids)
         self.token_limit = min(tokenizer.vocab_size, model.config.vocab_size)
-        checkpoints = prefix_checkpoints(model.config, config)
-        num_pages = plan_kv_pages(model.config, config, checkpoints)
-        graphs = config.cuda_graphs and self.device.type == "cuda"
+        mtp = config.spec == "mtp"
+        # with the MTP head its layers are attention layers after the stack, K/V in the same pages
+        shape = model.config.with_mtp() if mtp else model.config
+        checkpoints = prefix_checkpoints(shape, config)
+        num_pages = plan_kv_pages(shape, config, checkpoints)
+        # (MTP: every step eager, for the final hidden states the head takes)
+        graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp
         # captured decode graphs keep one page and one slot for their padding rows
-        self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
+        self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints),
                                    config.kv_storage_dtype)
-        # speculative decoding (``spec.py``): n-gram drafts verified in the step that runs them
+        # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
+        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         self.drafter = Drafter(config.draft_tokens, config.ngram_min, config.ngram_max) \
             if config.spec == "ngram" else None
+        if mtp:
+            self.drafter = MTPDrafter(config.draft_tokens, model, self.caches, self.device, self.token_limit)
+            self.runner.keep_hidden = True
         self.scheduler = Scheduler(config, self.caches, self.drafter)
-        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
@@ -239,13 +246,18 @@ class LLMEngine:
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)
         if launched.widths is not None:  # rows that verify drafts: their tokens and drafts together
-            return outputs + self._postprocess_runs(launched, tokens, logprobs)
-        # a step launched ahead may carry requests that have finished since, or whose next token
-        # was already known (forced tokens): what it sampled for them is dropped
-        ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs, launched.still_wanted())
-                 if wanted]
-        return outputs + self._postprocess([r for r, _, _ in ready], [t for _, t, _ in ready],
-                                           [lp for _, _, lp in ready])
+            outputs += self._postprocess_runs(launched, tokens, logprobs)
+        else:
+            # a step launched ahead may carry requests that have finished since, or whose next
+            # token was already known (forced tokens): what it sampled for them is dropped
+            ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs,
+                                                            launched.still_wanted()) if wanted]
+            outputs += self._postprocess([r for r, _, _ in ready], [t for _, t, _ in ready],
+                                         [lp for _, _, lp in ready])
+        if launched.hidden is not None:  # the MTP head catches up on the kept positions and drafts
+            self.drafter.after_step(launched.rows, launched.hidden)
+            launched.hidden = None
+        return outputs
 
     def _checkpoint(self, plan: list[tuple[Request, int]]) -> None:
         """Keep a prefix checkpoint for each request whose computed tokens just reached one of its

@@ -101,3 +101,74 @@ def accepted(targets: list[int], draft: list[int]) -> int:
     while j < len(draft) and targets[j] == draft[j]:
         j += 1
     return j
+
+
+class MTPDrafter(Drafter):
+    """Drafts from the checkpoint's MTP head (``--spec mtp``, ``models/mtp.py``). After every step
+    (``after_step``) the head runs over the positions each speculating request has just had
+    computed and kept (its K/V there, in the pool's extra attention layer, is then that of the
+    committed tokens; the positions of rejected drafts are written over), and, for a request
+    ready to decode, drafts ``k`` tokens: the first from its last position's output, each next
+    one from one more head step on its own output and the token it drafted (greedy). The draft
+    waits in ``Request.mtp_draft`` for the scheduler (``propose``)."""
+
+    def __init__(self, draft_tokens: int, model, caches, device, vocab: int | None) -> None:
+        super().__init__(draft_tokens, 1, 1)
+        self.model, self.caches, self.device, self.vocab = model, caches, device, vocab
+
+    def propose(self, req: Request) -> list[int]:
+        if not self.eligible(req):
+            return []
+        return req.mtp_draft[: self.limit(req)]
+
+    def after_step(self, rows: list[tuple[Request, int, int, int]], hidden) -> None:
+        """``rows``: a step's ``(request, first position, tokens, first flat row)``; ``hidden``:
+        the main model's final hidden states of its flat run."""
+        import torch
+
+        from .request import Status
+        from .runner import sampled_logits
+        from .step import build_rows
+
+        runs = []  # (request, first position, positions, first flat row)
+        for req, start, n, at in rows:
+            req.mtp_draft = []
+            if req.is_finished or not speculates(req) or req.cache is None:
+                continue
+            end = min(start + n, req.num_computed, req.num_tokens - 1)  # kept, and the next token known
+            if end > start:
+                runs.append((req, start, end - start, at))
+        if not runs:
+            return
+        runs.sort(key=lambda r: r[2] != 1)  # (stable) rows of one position first
+        tokens = [t for req, start, n, _ in runs for t in req.all_ids[start + 1 : start + n + 1]]
+        index = torch.tensor([at + i for _, _, n, at in runs for i in range(n)], device=hidden.device)
+        with torch.inference_mode():
+            ids, batch, last = build_rows([(r, s, n) for r, s, n, _ in runs], tokens, self.caches, self.device)
+            out = self.model.mtp_forward(ids, hidden.index_select(0, index), batch)[last]
+            wanted = []
+            for i, (req, start, n, _) in enumerate(runs):
+                k = self.limit(req) if req.status is Status.DECODE and start + n == req.num_computed \
+                    and req.num_tokens == req.num_computed + 1 and self.eligible(req) else 0
+                while k > 1 and not self.caches.reserve(req.cache, req.num_computed + k - 1):
+                    k -= 1  # the head's further steps write K/V at the positions after it
+                if k > 0:
+                    wanted.append((i, req, k))
+            if not wanted:
+                return
+            keep = torch.tensor([i for i, _, _ in wanted], device=out.device)
+            out = out.index_select(0, keep)
+            drafted = sampled_logits(self.model, out, self.vocab).argmax(dim=-1).tolist()
+            drafts = [[d] for d in drafted]
+            for j in range(1, max(k for _, _, k in wanted)):
+                active = [w for w, (_, _, k) in enumerate(wanted) if k > j]
+                rows_j = [(wanted[w][1], wanted[w][1].num_computed + j - 1, 1) for w in active]
+                ids, batch, _ = build_rows(rows_j, [drafts[w][-1] for w in active], self.caches, self.device)
+                sel = torch.tensor(active, device=out.device)
+                out_j = self.model.mtp_forward(ids, out.index_select(0, sel), batch)
+                for w, d in zip(active, sampled_logits(self.model, out_j, self.vocab).argmax(dim=-1).tolist()):
+                    drafts[w].append(d)
+                out = out.clone()
+                out[sel] = out_j
+        for (_, req, _), draft in zip(wanted, drafts):
+            req.mtp_draft = draft

@@ -63,7 +63,6 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     model with Gated DeltaNet layers those rows share the request's state slot and run in waves
     (``VerifyRows``, one position of every verifying request per wave)."""
     plan = order_rows(plan)
-    page = caches.page_size
     layout = []  # (request, first position, new tokens): the rows StepMeta describes
     verify = set()  # the requests whose rows verify a draft
     for req, n in plan:
@@ -72,17 +71,38 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
             verify.add(id(req))
         else:
             layout.append((req, req.num_computed, n))
+    input_ids, batch, sample_t, sampled, widths = _describe(layout, caches, device, ids, verify=verify)
+    return Step(input_ids, batch, plan, sample_t, sampled, widths)
+
+
+def build_rows(rows: list[tuple[Request, int, int]], tokens: list[int], caches: CacheManager,
+               device: torch.device) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
+    """A forward over ``rows`` of ``(request, first position, tokens)`` with the given ``tokens``
+    (flat, in the rows' order; the rows of one token first), outside the requests' cursors: the
+    MTP head's rows (``mtp.py``). Returns the input ids, the batch and the flat index of each
+    row's last token."""
+    input_ids, batch, last, _, _ = _describe(rows, caches, device, None, tokens=tokens)
+    return input_ids, batch, last
+
+
+def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, device: torch.device,
+              ids: torch.Tensor | None, verify: set[int] = frozenset(), tokens: list[int] | None = None):
+    """The tensors of a step laid out as ``layout`` (decode rows first): input ids, the
+    ``ForwardBatch``, the sampled flat indices, the sampled requests and their widths (None: one
+    each). With ``tokens`` those are the input ids and every row's last token is sampled."""
+    page = caches.page_size
     rows = len(layout)
     num_decode = sum(n == 1 for _, _, n in layout)
-    width = max((len(r.cache.pages) for r, _ in plan), default=1) or 1
-    tokens, positions, writes, slots, lens, tables = [], [], [], [], [], []
+    width = max((len(r.cache.pages) for r, _, _ in layout), default=1) or 1
+    given, tokens = tokens, []
+    positions, writes, slots, lens, tables = [], [], [], [], []
     cu, sample, sampled, widths, end = [0], [], [], [], 0
     for i, (req, start, n) in enumerate(layout):
         cache = req.cache
         table = cache.pages
         if cache.kv is not None and start + n > cache.capacity:
             raise RuntimeError(f"KV pages for {cache.capacity} tokens, writing up to {start + n}: reserve first")
-        if ids is None:
+        if given is None and ids is None:
             if start >= req.num_tokens:  # a draft token
                 tokens.append(req.draft[start - req.num_tokens])
             else:
@@ -99,7 +119,10 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
         end += n
         if i >= num_decode:
             cu.append(end - num_decode)
-        if start + n == req.num_tokens:  # everything known is computed: its next token is sampled
+        if given is not None:  # every row's last token
+            sample.append(end - 1)
+            sampled.append(req)
+        elif start + n == req.num_tokens:  # everything known is computed: its next token is sampled
             sample.append(end - 1)
             sampled.append(req)
             widths.append(1)
@@ -109,6 +132,8 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     prompt_rows = rows - num_decode
     # every segment starts 16-byte aligned: Triton specializes a kernel on its pointers'
     # alignment, so unaligned slices would compile new variants as the row and token counts move
+    if given is not None:
+        tokens = list(given)
     wide = _aligned(tokens, 2) + _aligned(positions, 2) + _aligned(writes, 2) + _aligned(slots, 2) + \
         _aligned(sample, 2)
     narrow = _aligned(lens, 4) + (_aligned(cu, 4) if prompt_rows else []) + tables
@@ -145,7 +170,7 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
                     prompt=prompt, verify=verify)
     batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
-    return Step(input_ids, batch, plan, sample_t, sampled, widths if len(sample) > len(sampled) else None)
+    return input_ids, batch, sample_t, sampled, widths if len(sample) > len(sampled) else None
 
 
 def _verify_rows(layout: list[tuple[Request, int, int]], num_decode: int, verify: set[int], slots: list[int],

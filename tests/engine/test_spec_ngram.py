@@ -59,7 +59,7 @@ def test_ngram_lookup_keeps_up_as_the_sequence_grows_and_repeats_its_period():
 
 
 def test_settings_are_checked_by_name():
-    for field, value in (("spec", "mtp"), ("draft_tokens", 0), ("draft_tokens", 9), ("ngram_min", 0),
+    for field, value in (("spec", "eagle"), ("draft_tokens", 0), ("draft_tokens", 9), ("ngram_min", 0),
                          ("ngram_max", 0)):
         with pytest.raises(ValueError, match=f"^{field} "):
             EngineConfig(**{field: value})

@@ -1,0 +1,120 @@
+"""Speculative decoding with the checkpoint's MTP head (``--spec mtp``, ``spec.MTPDrafter``,
+``models/mtp.py``) on tiny Qwen3.5 dense / MoE and Qwen3-Next checkpoints with random MTP
+weights added (``support/mtp_weights.py``): greedy outputs are token for token those without
+drafts, alone and batched, through stop strings and ``max_tokens`` cut inside a round; the drafts
+are the head's own greedy chain, as a reference computation of the head over the whole sequence
+gives them; settings are checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.engine.engine import LLMEngine
+from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.loader import load_checkpoint, load_model
+from support.mtp_weights import add_mtp_weights
+from support.overlap import drive, make
+from support.tiny import save_tiny_qwen3_5, save_tiny_qwen3_next
+
+BUILDERS = {"qwen3_5": save_tiny_qwen3_5, "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True),
+            "qwen3_next": save_tiny_qwen3_next}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def checkpoint(request, tmp_path_factory):
+    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "ckpt")
+    return load_checkpoint(add_mtp_weights(path, count_in_config=request.param != "qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def with_mtp(checkpoint):
+    return load_model(checkpoint, "cpu", torch.float32, mtp=True), checkpoint.tokenizer
+
+
+def mtp_drive(parts, specs, draft_tokens=3, **kw):
+    engines: list[LLMEngine] = []
+    seen, _ = drive(parts, False, specs, engine_out=engines, spec="mtp", draft_tokens=draft_tokens, **kw)
+    return seen, engines[0].counters
+
+
+def test_greedy_outputs_are_unchanged(with_mtp):
+    _, tok = with_mtp
+    free, _ = drive(with_mtp, False, {1: {"max_tokens": 40}})
+    text = tok.decode(free["r1"]["tokens"])
+    specs = {0: {"max_tokens": 45}, 1: {"max_tokens": 40, "stop": [text[25:28]]}, 2: {"max_tokens": 7},
+             3: {"max_tokens": 33}}
+    plain, _ = drive(with_mtp, False, specs, arrivals={3: (0, 6)})
+    fast, counters = mtp_drive(with_mtp, specs, arrivals={3: (0, 6)})
+    assert fast == plain
+    assert counters.spec_rounds > 0 and counters.spec_draft_tokens > counters.spec_rounds
+
+
+def reference_draft(model, ids: list[int], k: int) -> list[int]:
+    """The head's greedy draft after ``ids`` (the last one not yet computed by the main model),
+    on the models' reference path: the main model over ``ids[:-1]``, the head over every position
+    ``i`` with ``x_{i+1}`` (one run), then ``k - 1`` steps on its own output."""
+    from ninfer.engine.cache.sequence import SequenceCache
+    from ninfer.engine.models.base import ForwardBatch
+
+    n = len(ids) - 1
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids[:-1]), ForwardBatch.single(n, model.new_cache()))
+        cache = SequenceCache(model.config.num_hidden_layers + model.config.mtp_layers)
+        out = model.mtp_forward(torch.tensor(ids[1:]), hidden, ForwardBatch.single(n, cache))[-1:]
+        cache.num_tokens += n
+        draft = [int(model.compute_logits(out).argmax())]
+        for _ in range(k - 1):
+            out = model.mtp_forward(torch.tensor(draft[-1:]), out, ForwardBatch.single(1, cache))
+            cache.num_tokens += 1
+            draft.append(int(model.compute_logits(out).argmax()))
+    return draft
+
+
+def test_drafts_are_the_heads_greedy_chain_over_the_whole_sequence(with_mtp):
+    """The head's K/V, caught up step by step over prompt chunks, verify rows and rejected drafts,
+    is the K/V of the committed tokens: each draft equals the reference computation's."""
+    model, tok = with_mtp
+    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=4, prefill_chunk=16,
+                                                kv_capacity=2048, page_size=8, overlap=False, spec="mtp",
+                                                draft_tokens=3))
+    reqs = [make(i, tok, max_tokens=24) for i in (2, 3)]
+    for r in reqs:
+        engine.add_request(r)
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        for r in reqs:
+            if r.mtp_draft:
+                assert r.mtp_draft == reference_draft(model, r.all_ids, len(r.mtp_draft)), (r.request_id, r.num_tokens)
+                checked += 1
+    assert checked >= 10 and engine.counters.spec_rounds >= 10
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_batch_sizes_and_max_tokens_cut_inside_a_round(with_mtp, batch, monkeypatch):
+    """Drafts are normally held short of ``max_tokens``; without that limit the cut falls inside
+    a round: the output ends exactly where it does without drafts."""
+    from ninfer.engine import spec
+
+    specs = {i: {"max_tokens": 9 + 5 * i} for i in range(batch)}
+    plain, _ = drive(with_mtp, False, specs)
+    monkeypatch.setattr(spec.Drafter, "limit",
+                        lambda self, req: min(self.draft_tokens, req.max_total_tokens - req.num_tokens - 1))
+    fast, counters = mtp_drive(with_mtp, specs, draft_tokens=5)
+    assert fast == plain and counters.spec_rounds > 0
+
+
+def test_settings_are_checked(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="^draft_tokens must be between 1 and 5 with spec 'mtp'"):
+        EngineConfig(spec="mtp", draft_tokens=6)
+    EngineConfig(spec="mtp", draft_tokens=5).check_for_model(checkpoint.config)
+    plain = load_model(checkpoint, "cpu", torch.float32)  # loaded without its head
+    assert plain.mtp is None and plain.config.mtp_layers == 0
+    with pytest.raises(ValueError, match="spec 'mtp' needs the checkpoint's MTP head"):
+        LLMEngine(plain, checkpoint.tokenizer, EngineConfig(spec="mtp"))
+    bare = load_checkpoint(save_tiny_qwen3_5(tmp_path / "bare"))
+    assert bare.mtp_weights is None
+    with pytest.raises(ValueError, match="spec 'mtp' needs the checkpoint's MTP head"):
+        EngineConfig(spec="mtp").check_for_model(bare.config)
+    with pytest.raises(ValueError, match="has no MTP weights"):
+        load_model(bare, "cpu", torch.float32, mtp=True)
