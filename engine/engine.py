@@ -346,13 +346,15 @@ class LLMEngine:
                 outputs += self._postprocess([req], run, lps)
                 continue
             try:
-                outputs.append(self._verify(req, run, draft, lps, launched.verify))
+                outputs.append(self._verify(req, run, draft, lps, launched.verify,
+                                            launched.gen_states.get(id(req)), launched.vocab))
             except Exception as exc:  # noqa: BLE001 - as in _postprocess: this request alone ends
                 outputs.append(self._fail(req, exc))
         return outputs
 
     def _verify(self, req: Request, targets: list[int], draft: list[int],
-                logprobs: list[TokenLogprob | None], states=None) -> RequestOutput:
+                logprobs: list[TokenLogprob | None], states=None, gen_state: torch.Tensor | None = None,
+                vocab: int = 0) -> RequestOutput:
         """Commit what a verified draft gives: the drafts the model's own tokens (``targets``, one
         per position run) confirm, then the model's token after them, one at a time through
         ``_append_token`` (so stop tokens and strings, ``max_tokens``, the context limit and the
@@ -360,14 +362,19 @@ class LLMEngine:
         positions past what is kept is dropped by setting ``num_computed`` back, and in a hybrid
         model the Gated DeltaNet states after the last position kept (``states``, the step's
         ``VerifyRows``) go back in the request's slot (``_settle_states``: before any checkpoint
-        of the request is taken, at the latest when this returns)."""
+        of the request is taken, at the latest when this returns). A sampled request's generator
+        (``gen_state``: before the row's draws) is left as if only the tokens committed had been
+        drawn, one each (``Sampler.replay``): its stream goes on as in one-token steps."""
         start = req.num_computed - len(draft) - 1  # where the row began: its last sampled token
         if states is not None:
             req.verify_states = (states, start)
+        drawn = [0]
         try:
-            return self._commit_round(req, start, targets, draft, logprobs)
+            return self._commit_round(req, start, targets, draft, logprobs, drawn)
         finally:
             self._settle_states(req)
+            if gen_state is not None and not req.is_finished:
+                self.runner.sampler.replay(req, gen_state, drawn[0], vocab)
 
     def _settle_states(self, req: Request) -> None:
         """Put the recurrent states of ``req``'s last verify row at its ``num_computed`` in its slot."""
@@ -378,8 +385,9 @@ class LLMEngine:
         states.commit(self.caches.states, req, req.cache.slot, req.num_computed - start - 1)
 
     def _commit_round(self, req: Request, start: int, targets: list[int], draft: list[int],
-                      logprobs: list[TokenLogprob | None]) -> RequestOutput:
-        """``_verify``'s commit of the tokens a round gives."""
+                      logprobs: list[TokenLogprob | None], drawn: list[int]) -> RequestOutput:
+        """``_verify``'s commit of the tokens a round gives (``drawn[0]``: how many of the row's
+        sampled tokens were committed)."""
         kept = accepted(targets, draft)
         req.draft = []
         req.spec_drafted += len(draft)
@@ -396,6 +404,7 @@ class LLMEngine:
             # computed: what precedes the token committed now (a request that finishes with it
             # keeps a checkpoint of no more than that)
             req.num_computed = start + 1 + i
+            drawn[0] = i + 1
             before = len(req.output_ids)
             more = self._append_token(req, targets[i], logprobs[i])
             out = more if out is None else merge_outputs(out, more)

@@ -50,6 +50,10 @@ class Launched:
         # its rows ``(request, first position, tokens, first flat row)``
         self.hidden: torch.Tensor | None = None
         self.rows: list[tuple[Request, int, int, int]] = []
+        # a verify step's sampled rows: each request's generator state before the draw, and the
+        # width of the logits drawn over (``Sampler.replay``)
+        self.gen_states: dict[int, torch.Tensor] = {}
+        self.vocab = 0
         self.verify = None  # the step's VerifyRows (models/base.py), where rows verify drafts in a hybrid model
         self._host = None
         self._host_logprobs = None
@@ -172,6 +176,10 @@ class ModelRunner:
             return
         (logits, greedy), ready = launched.pending, launched.ready
         rows = ready if launched.widths is None else [r for r, w in zip(ready, launched.widths) for _ in range(w)]
+        if launched.widths is not None:  # a sampled verify row draws 1 + k times; the engine keeps what it uses
+            launched.vocab = logits.shape[-1]
+            launched.gen_states = {id(r): r.generator.get_state() for r, w in zip(ready, launched.widths)
+                                   if w > 1 and r.generator is not None}
         with torch.inference_mode():
             tokens = self.sampler.sample(logits, rows, greedy)
             logprobs = self.sampler.logprobs(logits, rows, tokens)

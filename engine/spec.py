@@ -1,21 +1,29 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts, for models whose cache rolls back by
-truncation (attention only; ``EngineConfig.check_for_model`` refuses hybrid models).
+"""Speculative decoding: n-gram (prompt lookup) drafts, or the checkpoint's MTP head's
+(``MTPDrafter``), verified in the step that runs them, for every model (a hybrid model's Gated
+DeltaNet layers keep each verified position's state: ``models/base.VerifyRows``).
 
 Before a step, the scheduler asks ``Drafter.propose`` for each decoding request that may
 speculate (``speculates``): up to ``draft_tokens`` tokens that followed the latest earlier place
 where the sequence's last ``ngram_max`` .. ``ngram_min`` tokens (prompt and output) occur, the
-longest such n-gram first. A request with a draft runs as a row of ``1 + k`` tokens (its last
-sampled token and the ``k`` drafts) in the step's one forward, laid out as one decode row per
-position over the same pages (``step.build_step``: each position computed exactly as a one-token
-step computes it), and the logits of every one of those positions are sampled. ``accepted`` then keeps the longest prefix
-of drafts equal to the model's own greedy tokens, and the model's token after it: each round
-commits ``accepted + 1`` tokens, exactly those that one-token steps would have produced. The KV
-of the rejected positions is discarded by setting ``num_computed`` back (the engine's
-``_verify``); their pages stay with the request and are written again.
+longest such n-gram first (or the MTP head's draft, made after the step before). A request with a
+draft runs as a row of ``1 + k`` tokens (its last sampled token and the ``k`` drafts) in the
+step's one forward, laid out as one decode row per position over the same pages
+(``step.build_step``: each position computed exactly as a one-token step computes it), and the
+logits of every one of those positions are sampled. ``accepted`` then keeps the longest prefix of
+drafts equal to the model's own tokens, and the model's token after it: each round commits
+``accepted + 1`` tokens, exactly those that one-token steps would have produced. The KV of the
+rejected positions is discarded by setting ``num_computed`` back (the engine's ``_verify``);
+their pages stay with the request and are written again.
 
-Greedy requests speculate (temperature 0 or ``top_k`` 1, with ``logit_bias`` and logprobs,
-under a thinking budget); sampled requests, penalties (they read the token history) and grammars
-(the next mask needs the token before it) decode one token per step.
+Sampled requests speculate too, by rejection sampling: a draft here is a fixed token (q one-hot),
+so accepting it with probability min(1, p/q) = p(d) and else drawing from (p - q)+ renormalised
+(p without d) is exactly drawing each position's token from its own p (after temperature,
+top-k / top-p / min-p and ``logit_bias``) and keeping the draft while the draw equals it; the
+first draw that differs is the replacement. Each position draws with the noise its request's
+generator gives a one-token step there (``Sampler._draw``: a row's draws in order), and after the
+round the generator is set back to the draws committed (``Sampler.replay``): a seeded request's
+output does not depend on the drafts. Requests with penalties (they read the token history) and
+grammars (the next mask needs the token before it) decode one token per step.
 """
 from __future__ import annotations
 
@@ -24,10 +32,9 @@ from .sampler import uses_history
 
 
 def speculates(req: Request) -> bool:
-    """Whether ``req``'s tokens may be drafted and verified: its tokens are its logits' argmax
-    (after ``logit_bias``), whatever came before them."""
-    params = req.params
-    return params.greedy and not uses_history(params) and req.grammar is None and req.pooled is None
+    """Whether ``req``'s tokens may be drafted and verified: each one is drawn from its own
+    position's logits (after ``logit_bias``, temperature and filters), whatever came before them."""
+    return not uses_history(req.params) and req.grammar is None and req.pooled is None
 
 
 class NgramIndex:

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", default="off", choices=list(SPEC_MODES),
                    help="speculative decoding: 'ngram' drafts the next tokens from where the sequence's last "
                         "tokens occurred before (prompt lookup), 'mtp' with the checkpoint's MTP head (Qwen3.5 / "
-                        "Qwen3-Next), and verifies them in the next step, for greedy requests; default off")
+                        "Qwen3-Next), and verifies them in the next step (sampled requests by rejection sampling); default off")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
                    help=f"tokens drafted per request and step with --spec (1..{MAX_DRAFT_TOKENS}, with mtp 1..5; "
                         "default 4)")

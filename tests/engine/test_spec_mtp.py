@@ -118,3 +118,13 @@ def test_settings_are_checked(checkpoint, tmp_path):
         EngineConfig(spec="mtp").check_for_model(bare.config)
     with pytest.raises(ValueError, match="has no MTP weights"):
         load_model(bare, "cpu", torch.float32, mtp=True)
+
+
+def test_seeded_sampled_requests_keep_their_outputs(with_mtp):
+    """Sampled requests take the head's drafts too (rejection sampling, test_spec_sampled.py):
+    seeded, they give their outputs without drafts."""
+    specs = {0: {"max_tokens": 30, "temperature": 0.7, "top_p": 0.9, "seed": 3},
+             1: {"max_tokens": 22, "temperature": 1.0, "top_k": 4, "seed": 8}}
+    plain, _ = drive(with_mtp, False, specs)
+    fast, counters = mtp_drive(with_mtp, specs)
+    assert fast == plain and counters.spec_rounds > 5

@@ -154,25 +154,27 @@ def test_thinking_budget_forces_its_close_inside_a_run(parts):
     assert fast == plain and plain["r0"]["tokens"][9:13] == list(CLOSE)
 
 
-def test_sampled_and_penalised_requests_do_not_speculate_and_keep_their_outputs(parts):
+def test_sampled_requests_speculate_and_penalised_ones_do_not(parts):
+    """A seeded sampled request keeps its output (each position's token is drawn with the noise
+    one-token steps would use: test_spec_sampled.py); a penalised one takes no draft."""
     specs = {0: {"max_tokens": 30, "temperature": 0.9, "seed": 11},
              1: {"max_tokens": 30, "repetition_penalty": 1.3}}
     plain, _ = drive(parts, False, specs)
     fast, _, counters = spec_drive(parts, specs)
-    assert fast == plain and counters.spec_rounds == 0 and counters.spec_fallback_steps == 0
+    assert fast == plain
+    assert counters.spec_fallback_steps > 0  # r0's steps without a draft (its text does not repeat); r1 none
+    penalised, _, counters = spec_drive(parts, {1: specs[1]})
+    assert counters.spec_rounds == 0 and counters.spec_fallback_steps == 0
 
 
 def test_no_step_is_launched_ahead_of_a_request_that_may_speculate(parts):
     """Overlap launches a decode step from tokens not yet read: a speculating request's next step
-    needs them on the host for its draft, so none is launched ahead of it; a sampled request
-    alone still runs ahead."""
-    specs = {0: {"max_tokens": 30}, 1: {"max_tokens": 20}}
-    plain, _ = drive(parts, False, specs)
+    needs them on the host for its draft, so none is launched ahead of it (greedy or sampled);
+    without drafts the same requests run ahead."""
+    specs = {0: {"max_tokens": 30}, 1: {"max_tokens": 20, "temperature": 0.9, "seed": 1}}
+    plain, ahead_plain = drive(parts, True, specs)
     fast, ahead, counters = spec_drive(parts, specs, overlap=True)
-    assert fast == plain and ahead == 0 and counters.spec_rounds > 0
-    sampled = {0: {"max_tokens": 20, "temperature": 0.9, "seed": 1}}
-    _, ahead, _ = spec_drive(parts, sampled, overlap=True)
-    assert ahead > 5
+    assert fast == plain and ahead == 0 and counters.spec_rounds > 0 and ahead_plain > 5
 
 
 def test_spec_off_makes_no_drafts(parts):
