@@ -157,3 +157,33 @@ def test_a_conversation_goes_on_from_the_answer_checkpoint_with_the_head(with_mt
 
     plain, fast = turns("off"), turns("mtp")
     assert fast[:3] == plain[:3] and fast[2] > len(prompt(tok, 3)) and fast[3] > 0
+
+
+def test_every_ending_of_the_overlap_scenario(with_mtp):
+    """Length, abort, stop token, stop string, the thinking budget's forced close tokens and a
+    seeded sampled request arriving late, with the head's drafts."""
+    from support.overlap import check_scenario, scenario
+
+    specs, kw = scenario(with_mtp)
+    plain, _ = drive(with_mtp, False, specs, **kw)
+    fast, counters = mtp_drive(with_mtp, specs, **kw)
+    aborted = fast.pop("r1")
+    assert aborted["finish"] == "abort" and aborted["tokens"][:5] == plain.pop("r1")["tokens"]
+    assert fast == plain
+    check_scenario({**fast, "r1": {**aborted, "tokens": aborted["tokens"][:5]}}, specs)
+    assert counters.spec_rounds > 0
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_requests_paused_for_pages_come_back_with_the_same_outputs(with_mtp, spec):
+    """A KV pool too small for every request at once: the youngest are paused (snapshots, or
+    rebuilt by replay without host memory) and resumed; drafts go on after them."""
+    specs = {i: {"max_tokens": 40 + 4 * i} for i in range(4)}
+    for host in (0, 64):
+        plain, _ = drive(with_mtp, False, specs, kv_capacity=160, host_cache_mib=host)
+        engines: list[LLMEngine] = []
+        fast, _ = drive(with_mtp, False, specs, kv_capacity=160, host_cache_mib=host, spec=spec, draft_tokens=3,
+                        engine_out=engines)
+        assert fast == plain
+        stats = engines[0].scheduler.stats
+        assert stats.preempted_snapshot + stats.preempted_replay > 0 and engines[0].counters.spec_rounds > 0

@@ -35,14 +35,13 @@ def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort
           device: str = "cpu", cuda_graphs: bool = True, engine_out: list | None = None, prepare=None, **config):
     """Run requests built from ``specs`` (id -> params); ``arrivals`` adds a request once another
     has that many tokens, ``abort_at`` aborts one once it has that many; ``config``: more engine
-    settings (``spec``); ``engine_out`` gets the engine, ``prepare`` is called with it before the
+    settings (``spec``, or in place of the defaults: ``kv_capacity``); ``engine_out`` gets the engine, ``prepare`` is called with it before the
     first request. Returns what each request's outputs said,
     and how many steps were launched ahead."""
     model, tok = parts
-    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=6, prefill_chunk=32,
-                                                kv_capacity=2048, page_size=8,
-                                                overlap=overlap, device=device, cuda_graphs=cuda_graphs,
-                                                dtype=next(model.parameters()).dtype, **config))
+    settings = dict(max_context=160, max_concurrency=6, prefill_chunk=32, kv_capacity=2048, page_size=8,
+                    overlap=overlap, device=device, cuda_graphs=cuda_graphs, dtype=next(model.parameters()).dtype)
+    engine = LLMEngine(model, tok, EngineConfig(**{**settings, **config}))
     if engine_out is not None:
         engine_out.append(engine)
     if prepare is not None:
