@@ -187,3 +187,20 @@ def test_requests_paused_for_pages_come_back_with_the_same_outputs(with_mtp, spe
         assert fast == plain
         stats = engines[0].scheduler.stats
         assert stats.preempted_snapshot + stats.preempted_replay > 0 and engines[0].counters.spec_rounds > 0
+
+
+def test_the_server_refuses_spec_mtp_for_a_checkpoint_without_the_head(tmp_path, capsys):
+    from ninfer.server import cli
+
+    path = save_tiny_qwen3_5(tmp_path / "bare")
+    assert cli.main([str(path), "--spec", "mtp", "--engine-thread", "--device", "cpu"]) == 1
+    assert "spec 'mtp' needs the checkpoint's MTP head" in capsys.readouterr().err
+
+
+def test_the_server_builds_its_engine_with_the_head(checkpoint):
+    from ninfer.server import bootstrap
+
+    engine = bootstrap._engine(checkpoint, checkpoint.tokenizer, EngineConfig(spec="mtp", max_context=256,
+                                                                             draft_tokens=2), None)
+    assert engine.model.mtp is not None and engine.runner.keep_hidden
+    assert engine.caches.kv.keys.shape[0] == 2  # the stack's attention layer and the head's
