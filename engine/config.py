@@ -58,6 +58,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # multi-token prediction layers after the stack (Qwen3.5 ``mtp_num_hidden_layers``, Qwen3-Next
+    # ``num_nextn_predict_layers``): ``mtp.*`` weights, run by ``--spec mtp`` (``models/mtp.py``)
+    mtp_layers: int = 0
     # special tokens known from the config
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -83,6 +86,14 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def with_mtp(self) -> "ModelConfig":
+        """This config with the MTP layers counted as full-attention layers after the stack
+        (indices ``num_hidden_layers ..``): what the KV pool holds when they run."""
+        from dataclasses import replace
+
+        return replace(self, num_hidden_layers=self.num_hidden_layers + self.mtp_layers,
+                       layer_types=self.layer_types + ["full_attention"] * self.mtp_layers, mtp_layers=0)
 
     def is_moe_layer(self, i: int) -> bool:
         if not self.is_moe or i in self.mlp_only_layers:
@@ -157,6 +168,7 @@ class ModelConfig:
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             decoder_sparse_step=int(get("decoder_sparse_step", 1)),
             mlp_only_layers=list(get("mlp_only_layers", [])),
+            mtp_layers=int(get("mtp_num_hidden_layers", get("num_nextn_predict_layers", 0))),
             bos_token_id=get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=cfg,

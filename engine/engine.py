@@ -29,7 +29,7 @@ from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner
 from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
-from .spec import Drafter, accepted, speculates
+from .spec import Drafter, MTPDrafter, accepted, speculates
 from .stats import EngineCounters
 
 log = logging.getLogger("ninfer.engine")
@@ -45,19 +45,26 @@ class LLMEngine:
         # ids both the tokenizer decodes and the model embeds: prompts must stay below it, and
         # sampling never leaves it (a checkpoint's vocab_size may pad past its tokenizer's ids)
         self.token_limit = min(tokenizer.vocab_size, model.config.vocab_size)
-        checkpoints = prefix_checkpoints(model.config, config)
-        num_pages = plan_kv_pages(model.config, config, checkpoints)
-        graphs = config.cuda_graphs and self.device.type == "cuda"
+        mtp = config.spec == "mtp"
+        # with the MTP head its layers are attention layers after the stack, K/V in the same pages
+        shape = model.config.with_mtp() if mtp else model.config
+        checkpoints = prefix_checkpoints(shape, config)
+        num_pages = plan_kv_pages(shape, config, checkpoints)
+        # (MTP: every step eager, for the final hidden states the head takes)
+        graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp
         # captured decode graphs keep one page and one slot for their padding rows
-        self.caches = CacheManager(model.config, num_pages + graphs, config.page_size,
+        self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints),
                                    config.kv_storage_dtype)
-        # speculative decoding (``spec.py``): n-gram drafts verified in the step that runs them
+        # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
+        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         self.drafter = Drafter(config.draft_tokens, config.ngram_min, config.ngram_max) \
             if config.spec == "ngram" else None
+        if mtp:
+            self.drafter = MTPDrafter(config.draft_tokens, model, self.caches, self.device, self.token_limit)
+            self.runner.keep_hidden = True
         self.scheduler = Scheduler(config, self.caches, self.drafter)
-        self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
         self._processors: dict[str, OutputProcessor] = {}
@@ -239,13 +246,18 @@ class LLMEngine:
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)
         if launched.widths is not None:  # rows that verify drafts: their tokens and drafts together
-            return outputs + self._postprocess_runs(launched, tokens, logprobs)
-        # a step launched ahead may carry requests that have finished since, or whose next token
-        # was already known (forced tokens): what it sampled for them is dropped
-        ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs, launched.still_wanted())
-                 if wanted]
-        return outputs + self._postprocess([r for r, _, _ in ready], [t for _, t, _ in ready],
-                                           [lp for _, _, lp in ready])
+            outputs += self._postprocess_runs(launched, tokens, logprobs)
+        else:
+            # a step launched ahead may carry requests that have finished since, or whose next
+            # token was already known (forced tokens): what it sampled for them is dropped
+            ready = [(r, t, lp) for r, t, lp, wanted in zip(launched.ready, tokens, logprobs,
+                                                            launched.still_wanted()) if wanted]
+            outputs += self._postprocess([r for r, _, _ in ready], [t for _, t, _ in ready],
+                                         [lp for _, _, lp in ready])
+        if launched.hidden is not None:  # the MTP head catches up on the kept positions and drafts
+            self.drafter.after_step(launched.rows, launched.hidden)
+            launched.hidden = None
+        return outputs
 
     def _checkpoint(self, plan: list[tuple[Request, int]]) -> None:
         """Keep a prefix checkpoint for each request whose computed tokens just reached one of its
@@ -334,19 +346,48 @@ class LLMEngine:
                 outputs += self._postprocess([req], run, lps)
                 continue
             try:
-                outputs.append(self._verify(req, run, draft, lps))
+                outputs.append(self._verify(req, run, draft, lps, launched.verify,
+                                            launched.gen_states.get(id(req)), launched.vocab))
             except Exception as exc:  # noqa: BLE001 - as in _postprocess: this request alone ends
                 outputs.append(self._fail(req, exc))
         return outputs
 
     def _verify(self, req: Request, targets: list[int], draft: list[int],
-                logprobs: list[TokenLogprob | None]) -> RequestOutput:
+                logprobs: list[TokenLogprob | None], states=None, gen_state: torch.Tensor | None = None,
+                vocab: int = 0) -> RequestOutput:
         """Commit what a verified draft gives: the drafts the model's own tokens (``targets``, one
         per position run) confirm, then the model's token after them, one at a time through
         ``_append_token`` (so stop tokens and strings, ``max_tokens``, the context limit and the
         thinking budget end or change the run exactly where one-token steps would); the KV of the
-        positions past what is kept is dropped by setting ``num_computed`` back."""
+        positions past what is kept is dropped by setting ``num_computed`` back, and in a hybrid
+        model the Gated DeltaNet states after the last position kept (``states``, the step's
+        ``VerifyRows``) go back in the request's slot (``_settle_states``: before any checkpoint
+        of the request is taken, at the latest when this returns). A sampled request's generator
+        (``gen_state``: before the row's draws) is left as if only the tokens committed had been
+        drawn, one each (``Sampler.replay``): its stream goes on as in one-token steps."""
         start = req.num_computed - len(draft) - 1  # where the row began: its last sampled token
+        if states is not None:
+            req.verify_states = (states, start)
+        drawn = [0]
+        try:
+            return self._commit_round(req, start, targets, draft, logprobs, drawn)
+        finally:
+            self._settle_states(req)
+            if gen_state is not None and not req.is_finished:
+                self.runner.sampler.replay(req, gen_state, drawn[0], vocab)
+
+    def _settle_states(self, req: Request) -> None:
+        """Put the recurrent states of ``req``'s last verify row at its ``num_computed`` in its slot."""
+        pending, req.verify_states = req.verify_states, None
+        if pending is None or req.is_finished or req.cache is None or req.cache.slot is None:
+            return  # (a finished request settled before its checkpoint, if it kept one)
+        states, start = pending
+        states.commit(self.caches.states, req, req.cache.slot, req.num_computed - start - 1)
+
+    def _commit_round(self, req: Request, start: int, targets: list[int], draft: list[int],
+                      logprobs: list[TokenLogprob | None], drawn: list[int]) -> RequestOutput:
+        """``_verify``'s commit of the tokens a round gives (``drawn[0]``: how many of the row's
+        sampled tokens were committed)."""
         kept = accepted(targets, draft)
         req.draft = []
         req.spec_drafted += len(draft)
@@ -363,6 +404,7 @@ class LLMEngine:
             # computed: what precedes the token committed now (a request that finishes with it
             # keeps a checkpoint of no more than that)
             req.num_computed = start + 1 + i
+            drawn[0] = i + 1
             before = len(req.output_ids)
             more = self._append_token(req, targets[i], logprobs[i])
             out = more if out is None else merge_outputs(out, more)
@@ -433,6 +475,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason, stop_reason, text: str,
                 error: str | None = None) -> RequestOutput:
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.cache is not None:
+            self._settle_states(req)  # a verify row's: the checkpoint below copies the slot
             if req.checkpoint_answer and req.output_ids and req.num_computed > len(req.prompt_ids):
                 # where the answer ends (all but its last token computed, or all when a step
                 # launched ahead ran it): queued behind every step that wrote this sequence

@@ -19,10 +19,12 @@ GDN_CHUNK = 64
 # 128; int8 on the CPU only)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
 QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
-# speculative decoding (``spec.py``): "off", or "ngram": drafts copied from where the sequence's
-# last tokens occurred before (prompt lookup), verified by the model in the next step
-SPEC_MODES = ("off", "ngram")
+# speculative decoding (``spec.py``): "off"; "ngram": drafts copied from where the sequence's
+# last tokens occurred before (prompt lookup); "mtp": drafts from the checkpoint's MTP head
+# (``models/mtp.py``); either verified by the model in the next step
+SPEC_MODES = ("off", "ngram", "mtp")
 MAX_DRAFT_TOKENS = 8
+MAX_MTP_DRAFT_TOKENS = 5
 MAX_NGRAM = 8
 
 
@@ -85,6 +87,8 @@ class EngineConfig:
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
             ("spec", self.spec in SPEC_MODES, f"must be one of {', '.join(SPEC_MODES)}"),
             ("draft_tokens", 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS, f"must be between 1 and {MAX_DRAFT_TOKENS}"),
+            ("draft_tokens", self.spec != "mtp" or self.draft_tokens <= MAX_MTP_DRAFT_TOKENS,
+             f"must be between 1 and {MAX_MTP_DRAFT_TOKENS} with spec 'mtp'"),
             ("ngram_min", 1 <= self.ngram_min <= MAX_NGRAM, f"must be between 1 and {MAX_NGRAM}"),
             ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
@@ -107,10 +111,10 @@ class EngineConfig:
     def check_for_model(self, model: ModelConfig) -> None:
         """Settings that depend on the model's shape; a ValueError names the flag and the
         largest value that works."""
-        if self.spec != "off" and model.is_hybrid:
-            raise ValueError(f"spec {self.spec!r} is not available for {model.family} yet: its Gated DeltaNet "
-                             "layers keep a recurrent state that a rejected draft cannot be truncated from (the "
-                             "per-position states of a verify step are a later part); serve it with --spec off")
+        if self.spec == "mtp" and not model.mtp_layers:
+            raise ValueError(f"spec 'mtp' needs the checkpoint's MTP head (mtp.* weights, mtp_num_hidden_layers), "
+                             f"which this {model.family} model does not have (or was loaded without): "
+                             "serve it with --spec ngram or off")
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

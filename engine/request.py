@@ -79,8 +79,12 @@ class Request:
     # of the sequence; drafted and accepted tokens over the request's life
     draft: list[int] = field(default_factory=list)
     ngram: Any = None
+    mtp_draft: list[int] = field(default_factory=list)  # the MTP head's draft, made after the last step
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # a verify row's Gated DeltaNet states not yet settled in the slot: (VerifyRows, the row's
+    # first position), while the engine commits the round (``LLMEngine._verify``)
+    verify_states: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -46,6 +46,15 @@ class Launched:
         self.in_place = False  # the tokens are where a captured graph reads its next input ids
         self.logprobs: StepLogprobs | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # with ``ModelRunner.keep_hidden`` (the MTP head's input): the step's final hidden states and
+        # its rows ``(request, first position, tokens, first flat row)``
+        self.hidden: torch.Tensor | None = None
+        self.rows: list[tuple[Request, int, int, int]] = []
+        # a verify step's sampled rows: each request's generator state before the draw, and the
+        # width of the logits drawn over (``Sampler.replay``)
+        self.gen_states: dict[int, torch.Tensor] = {}
+        self.vocab = 0
+        self.verify = None  # the step's VerifyRows (models/base.py), where rows verify drafts in a hybrid model
         self._host = None
         self._host_logprobs = None
         self._event = None
@@ -102,6 +111,8 @@ class ModelRunner:
         self.vocab = vocab
         self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
+        # every step eager, its final hidden states kept on its ``Launched`` (``--spec mtp``)
+        self.keep_hidden = False
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
@@ -122,7 +133,7 @@ class ModelRunner:
         """``execute`` without reading the tokens back."""
         with torch.inference_mode():
             reqs = [r for r, _ in plan]
-            if all(n == 1 for _, n in plan) and all(r.decode_ready for r in reqs):
+            if all(n == 1 for _, n in plan) and all(r.decode_ready for r in reqs) and not self.keep_hidden:
                 return self._launch_decode(plan, reqs, None)
             return self._launch_step(plan)
 
@@ -165,6 +176,10 @@ class ModelRunner:
             return
         (logits, greedy), ready = launched.pending, launched.ready
         rows = ready if launched.widths is None else [r for r, w in zip(ready, launched.widths) for _ in range(w)]
+        if launched.widths is not None:  # a sampled verify row draws 1 + k times; the engine keeps what it uses
+            launched.vocab = logits.shape[-1]
+            launched.gen_states = {id(r): r.generator.get_state() for r, w in zip(ready, launched.widths)
+                                   if w > 1 and r.generator is not None}
         with torch.inference_mode():
             tokens = self.sampler.sample(logits, rows, greedy)
             logprobs = self.sampler.logprobs(logits, rows, tokens)
@@ -207,14 +222,19 @@ class ModelRunner:
         request never decodes, so it is never in a decode step)."""
         step = build_step(plan, self.caches, self.device)
         hidden = self.model(step.input_ids, step.batch)
-        at = 0
+        at, rows = 0, []
         for req, n in step.plan:
+            rows.append((req, req.num_computed, n, at))
             if req.pooled is not None:  # an embedding request keeps its rows' final hidden states
                 req.pooled.add(hidden[at : at + n], req.num_computed)
             at += n
             req.num_computed += n
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
-        return self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
+        launched = self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
+        launched.verify = step.batch.step.verify
+        if self.keep_hidden:
+            launched.hidden, launched.rows = hidden, rows
+        return launched
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

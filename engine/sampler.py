@@ -372,6 +372,21 @@ class Sampler:
             parts += [values, ids.float()]
         return StepLogprobs(rows, counts, torch.cat(parts, dim=-1))
 
+    def draw_size(self, params: SamplingParams, vocab: int) -> int:
+        """Noise values one draw of a sampled row takes from its generator (``_draw``)."""
+        return params.top_k if _ranked(params, vocab) else vocab
+
+    def replay(self, req: Request, state: torch.Tensor, draws: int, vocab: int) -> None:
+        """Set ``req``'s generator back to ``state`` and take ``draws`` draws from it: after a
+        verify row of ``1 + k`` sampled positions of which ``draws`` gave committed tokens, its
+        stream stands where one-token steps would have left it (``spec.py``)."""
+        gen = req.generator
+        gen.set_state(state)
+        size = self.draw_size(req.params, vocab)
+        scratch = torch.empty(size, device=self.device)
+        for _ in range(draws):
+            _exponential_(scratch, gen)
+
     def _draw(self, x: torch.Tensor, reqs: list[Request], ranked: bool) -> torch.Tensor:
         """``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d., drawn from each request's own generator: one
         per id over the vocabulary, or for a ranked row one per rank of its own ``top_k`` (the

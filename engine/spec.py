@@ -1,21 +1,29 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts, for models whose cache rolls back by
-truncation (attention only; ``EngineConfig.check_for_model`` refuses hybrid models).
+"""Speculative decoding: n-gram (prompt lookup) drafts, or the checkpoint's MTP head's
+(``MTPDrafter``), verified in the step that runs them, for every model (a hybrid model's Gated
+DeltaNet layers keep each verified position's state: ``models/base.VerifyRows``).
 
 Before a step, the scheduler asks ``Drafter.propose`` for each decoding request that may
 speculate (``speculates``): up to ``draft_tokens`` tokens that followed the latest earlier place
 where the sequence's last ``ngram_max`` .. ``ngram_min`` tokens (prompt and output) occur, the
-longest such n-gram first. A request with a draft runs as a row of ``1 + k`` tokens (its last
-sampled token and the ``k`` drafts) in the step's one forward, laid out as one decode row per
-position over the same pages (``step.build_step``: each position computed exactly as a one-token
-step computes it), and the logits of every one of those positions are sampled. ``accepted`` then keeps the longest prefix
-of drafts equal to the model's own greedy tokens, and the model's token after it: each round
-commits ``accepted + 1`` tokens, exactly those that one-token steps would have produced. The KV
-of the rejected positions is discarded by setting ``num_computed`` back (the engine's
-``_verify``); their pages stay with the request and are written again.
+longest such n-gram first (or the MTP head's draft, made after the step before). A request with a
+draft runs as a row of ``1 + k`` tokens (its last sampled token and the ``k`` drafts) in the
+step's one forward, laid out as one decode row per position over the same pages
+(``step.build_step``: each position computed exactly as a one-token step computes it), and the
+logits of every one of those positions are sampled. ``accepted`` then keeps the longest prefix of
+drafts equal to the model's own tokens, and the model's token after it: each round commits
+``accepted + 1`` tokens, exactly those that one-token steps would have produced. The KV of the
+rejected positions is discarded by setting ``num_computed`` back (the engine's ``_verify``);
+their pages stay with the request and are written again.
 
-Greedy requests speculate (temperature 0 or ``top_k`` 1, with ``logit_bias`` and logprobs,
-under a thinking budget); sampled requests, penalties (they read the token history) and grammars
-(the next mask needs the token before it) decode one token per step.
+Sampled requests speculate too, by rejection sampling: a draft here is a fixed token (q one-hot),
+so accepting it with probability min(1, p/q) = p(d) and else drawing from (p - q)+ renormalised
+(p without d) is exactly drawing each position's token from its own p (after temperature,
+top-k / top-p / min-p and ``logit_bias``) and keeping the draft while the draw equals it; the
+first draw that differs is the replacement. Each position draws with the noise its request's
+generator gives a one-token step there (``Sampler._draw``: a row's draws in order), and after the
+round the generator is set back to the draws committed (``Sampler.replay``): a seeded request's
+output does not depend on the drafts. Requests with penalties (they read the token history) and
+grammars (the next mask needs the token before it) decode one token per step.
 """
 from __future__ import annotations
 
@@ -24,10 +32,9 @@ from .sampler import uses_history
 
 
 def speculates(req: Request) -> bool:
-    """Whether ``req``'s tokens may be drafted and verified: its tokens are its logits' argmax
-    (after ``logit_bias``), whatever came before them."""
-    params = req.params
-    return params.greedy and not uses_history(params) and req.grammar is None and req.pooled is None
+    """Whether ``req``'s tokens may be drafted and verified: each one is drawn from its own
+    position's logits (after ``logit_bias``, temperature and filters), whatever came before them."""
+    return not uses_history(req.params) and req.grammar is None and req.pooled is None
 
 
 class NgramIndex:
@@ -101,3 +108,74 @@ def accepted(targets: list[int], draft: list[int]) -> int:
     while j < len(draft) and targets[j] == draft[j]:
         j += 1
     return j
+
+
+class MTPDrafter(Drafter):
+    """Drafts from the checkpoint's MTP head (``--spec mtp``, ``models/mtp.py``). After every step
+    (``after_step``) the head runs over the positions each speculating request has just had
+    computed and kept (its K/V there, in the pool's extra attention layer, is then that of the
+    committed tokens; the positions of rejected drafts are written over), and, for a request
+    ready to decode, drafts ``k`` tokens: the first from its last position's output, each next
+    one from one more head step on its own output and the token it drafted (greedy). The draft
+    waits in ``Request.mtp_draft`` for the scheduler (``propose``)."""
+
+    def __init__(self, draft_tokens: int, model, caches, device, vocab: int | None) -> None:
+        super().__init__(draft_tokens, 1, 1)
+        self.model, self.caches, self.device, self.vocab = model, caches, device, vocab
+
+    def propose(self, req: Request) -> list[int]:
+        if not self.eligible(req):
+            return []
+        return req.mtp_draft[: self.limit(req)]
+
+    def after_step(self, rows: list[tuple[Request, int, int, int]], hidden) -> None:
+        """``rows``: a step's ``(request, first position, tokens, first flat row)``; ``hidden``:
+        the main model's final hidden states of its flat run."""
+        import torch
+
+        from .request import Status
+        from .runner import sampled_logits
+        from .step import build_rows
+
+        runs = []  # (request, first position, positions, first flat row)
+        for req, start, n, at in rows:
+            req.mtp_draft = []
+            if req.is_finished or not speculates(req) or req.cache is None:
+                continue
+            end = min(start + n, req.num_computed, req.num_tokens - 1)  # kept, and the next token known
+            if end > start:
+                runs.append((req, start, end - start, at))
+        if not runs:
+            return
+        runs.sort(key=lambda r: r[2] != 1)  # (stable) rows of one position first
+        tokens = [t for req, start, n, _ in runs for t in req.all_ids[start + 1 : start + n + 1]]
+        index = torch.tensor([at + i for _, _, n, at in runs for i in range(n)], device=hidden.device)
+        with torch.inference_mode():
+            ids, batch, last = build_rows([(r, s, n) for r, s, n, _ in runs], tokens, self.caches, self.device)
+            out = self.model.mtp_forward(ids, hidden.index_select(0, index), batch)[last]
+            wanted = []
+            for i, (req, start, n, _) in enumerate(runs):
+                k = self.limit(req) if req.status is Status.DECODE and start + n == req.num_computed \
+                    and req.num_tokens == req.num_computed + 1 and self.eligible(req) else 0
+                while k > 1 and not self.caches.reserve(req.cache, req.num_computed + k - 1):
+                    k -= 1  # the head's further steps write K/V at the positions after it
+                if k > 0:
+                    wanted.append((i, req, k))
+            if not wanted:
+                return
+            keep = torch.tensor([i for i, _, _ in wanted], device=out.device)
+            out = out.index_select(0, keep)
+            drafted = sampled_logits(self.model, out, self.vocab).argmax(dim=-1).tolist()
+            drafts = [[d] for d in drafted]
+            for j in range(1, max(k for _, _, k in wanted)):
+                active = [w for w, (_, _, k) in enumerate(wanted) if k > j]
+                rows_j = [(wanted[w][1], wanted[w][1].num_computed + j - 1, 1) for w in active]
+                ids, batch, _ = build_rows(rows_j, [drafts[w][-1] for w in active], self.caches, self.device)
+                sel = torch.tensor(active, device=out.device)
+                out_j = self.model.mtp_forward(ids, out.index_select(0, sel), batch)
+                for w, d in zip(active, sampled_logits(self.model, out_j, self.vocab).argmax(dim=-1).tolist()):
+                    drafts[w].append(d)
+                out = out.clone()
+                out[sel] = out_j
+        for (_, req, _), draft in zip(wanted, drafts):
+            req.mtp_draft = draft

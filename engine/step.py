@@ -15,7 +15,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
-from .models.base import ForwardBatch, PromptRows, StepMeta
+from .models.base import ForwardBatch, PromptRows, StepMeta, VerifyRows
 from .request import Request
 
 
@@ -57,11 +57,12 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     changes nothing.
 
     A row that runs past ``num_tokens`` verifies its request's ``draft`` (speculative decoding,
-    attention-only models): it is laid out as one decode row per position, each with the context
+    speculative decoding): it is laid out as one decode row per position, each with the context
     up to itself over the same pages (every K/V is written before any row attends), so every
-    position is computed exactly as a one-token step computes it; all of them are sampled."""
+    position is computed exactly as a one-token step computes it; all of them are sampled. In a
+    model with Gated DeltaNet layers those rows share the request's state slot and run in waves
+    (``VerifyRows``, one position of every verifying request per wave)."""
     plan = order_rows(plan)
-    page = caches.page_size
     layout = []  # (request, first position, new tokens): the rows StepMeta describes
     verify = set()  # the requests whose rows verify a draft
     for req, n in plan:
@@ -70,17 +71,38 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
             verify.add(id(req))
         else:
             layout.append((req, req.num_computed, n))
+    input_ids, batch, sample_t, sampled, widths = _describe(layout, caches, device, ids, verify=verify)
+    return Step(input_ids, batch, plan, sample_t, sampled, widths)
+
+
+def build_rows(rows: list[tuple[Request, int, int]], tokens: list[int], caches: CacheManager,
+               device: torch.device) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
+    """A forward over ``rows`` of ``(request, first position, tokens)`` with the given ``tokens``
+    (flat, in the rows' order; the rows of one token first), outside the requests' cursors: the
+    MTP head's rows (``mtp.py``). Returns the input ids, the batch and the flat index of each
+    row's last token."""
+    input_ids, batch, last, _, _ = _describe(rows, caches, device, None, tokens=tokens)
+    return input_ids, batch, last
+
+
+def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, device: torch.device,
+              ids: torch.Tensor | None, verify: set[int] = frozenset(), tokens: list[int] | None = None):
+    """The tensors of a step laid out as ``layout`` (decode rows first): input ids, the
+    ``ForwardBatch``, the sampled flat indices, the sampled requests and their widths (None: one
+    each). With ``tokens`` those are the input ids and every row's last token is sampled."""
+    page = caches.page_size
     rows = len(layout)
     num_decode = sum(n == 1 for _, _, n in layout)
-    width = max((len(r.cache.pages) for r, _ in plan), default=1) or 1
-    tokens, positions, writes, slots, lens, tables = [], [], [], [], [], []
+    width = max((len(r.cache.pages) for r, _, _ in layout), default=1) or 1
+    given, tokens = tokens, []
+    positions, writes, slots, lens, tables = [], [], [], [], []
     cu, sample, sampled, widths, end = [0], [], [], [], 0
     for i, (req, start, n) in enumerate(layout):
         cache = req.cache
         table = cache.pages
         if cache.kv is not None and start + n > cache.capacity:
             raise RuntimeError(f"KV pages for {cache.capacity} tokens, writing up to {start + n}: reserve first")
-        if ids is None:
+        if given is None and ids is None:
             if start >= req.num_tokens:  # a draft token
                 tokens.append(req.draft[start - req.num_tokens])
             else:
@@ -97,7 +119,10 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
         end += n
         if i >= num_decode:
             cu.append(end - num_decode)
-        if start + n == req.num_tokens:  # everything known is computed: its next token is sampled
+        if given is not None:  # every row's last token
+            sample.append(end - 1)
+            sampled.append(req)
+        elif start + n == req.num_tokens:  # everything known is computed: its next token is sampled
             sample.append(end - 1)
             sampled.append(req)
             widths.append(1)
@@ -107,6 +132,8 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     prompt_rows = rows - num_decode
     # every segment starts 16-byte aligned: Triton specializes a kernel on its pointers'
     # alignment, so unaligned slices would compile new variants as the row and token counts move
+    if given is not None:
+        tokens = list(given)
     wide = _aligned(tokens, 2) + _aligned(positions, 2) + _aligned(writes, 2) + _aligned(slots, 2) + \
         _aligned(sample, 2)
     narrow = _aligned(lens, 4) + (_aligned(cu, 4) if prompt_rows else []) + tables
@@ -135,10 +162,50 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
                             cu_seqlens_host=host[at:end], max_seqlen=max(n for _, _, n in layout[num_decode:]),
                             slots_host=slots[num_decode:])
         cu_at += len(_aligned(cu, 4))
+    verify = _verify_rows(layout, num_decode, verify, slots, device) if verify and caches.states is not None \
+        else None
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
-                    prompt=prompt)
+                    prompt=prompt, verify=verify)
     batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
-    return Step(input_ids, batch, plan, sample_t, sampled, widths if len(sample) > len(sampled) else None)
+    return input_ids, batch, sample_t, sampled, widths if len(sample) > len(sampled) else None
+
+
+def _verify_rows(layout: list[tuple[Request, int, int]], num_decode: int, verify: set[int], slots: list[int],
+                 device: torch.device) -> VerifyRows:
+    """The waves of a step's verify rows (``VerifyRows``): wave 0 runs every decode row that is
+    not a verifying request's second position or later; wave ``j`` the ``j``-th of each."""
+    waves: list[list[int]] = [[]]
+    keep: list[tuple[list[int], list[int]]] = [([], [])]
+    requests: dict[int, tuple[int, int]] = {}
+    positions = 0
+    i = 0
+    while i < num_decode:
+        req = layout[i][0]
+        if id(req) not in verify:
+            waves[0].append(i)
+            i += 1
+            continue
+        width = 1
+        while i + width < num_decode and layout[i + width][0] is req:
+            width += 1
+        requests[id(req)] = (positions, width)
+        for j in range(width):
+            if j == len(waves):
+                waves.append([])
+                keep.append(([], []))
+            waves[j].append(i + j)
+            if j < width - 1:  # the state after its last position stays in the slot
+                keep[j][0].append(slots[i + j])
+                keep[j][1].append(positions + j)
+        positions += width - 1
+        i += width
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    return VerifyRows(waves=[ids(w) for w in waves],
+                      keep=[(ids(s), ids(at)) if s else None for s, at in keep],
+                      positions=positions, requests=requests)

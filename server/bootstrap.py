@@ -197,7 +197,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
 def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
-    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights), tokenizer, config)
+    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp"),
+                     tokenizer, config)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

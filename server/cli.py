@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt chunks of as many waiting requests as fit (default: --prefill-chunk)")
     p.add_argument("--spec", default="off", choices=list(SPEC_MODES),
                    help="speculative decoding: 'ngram' drafts the next tokens from where the sequence's last "
-                        "tokens occurred before (prompt lookup) and verifies them in the next step, for greedy "
-                        "requests of attention-only models (Llama, Qwen3); default off")
+                        "tokens occurred before (prompt lookup), 'mtp' with the checkpoint's MTP head (Qwen3.5 / "
+                        "Qwen3-Next), and verifies them in the next step (sampled requests by rejection sampling); default off")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
-                   help=f"tokens drafted per request and step with --spec (1..{MAX_DRAFT_TOKENS}, default 4)")
+                   help=f"tokens drafted per request and step with --spec (1..{MAX_DRAFT_TOKENS}, with mtp 1..5; "
+                        "default 4)")
     p.add_argument("--ngram-min", type=int, default=1, metavar="N",
                    help="--spec ngram: the shortest suffix of the sequence looked up (default 1)")
     p.add_argument("--ngram-max", type=int, default=3, metavar="N",

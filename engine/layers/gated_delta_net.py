@@ -159,12 +159,39 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
     def _decode_rows(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      meta) -> torch.Tensor:
         """One token for each of the first ``len(qkv)`` rows, states in their slots: conv,
-        recurrence and the gated output norm, ``[n, value_dim]`` (``out_proj``'s input)."""
+        recurrence and the gated output norm, ``[n, value_dim]`` (``out_proj``'s input). Rows that
+        verify drafts (``meta.verify``) share their request's slot and run in waves, each position
+        from the state the one before it left, the states after each kept for ``VerifyRows.commit``."""
+        n = qkv.shape[0]
+        verify = meta.verify
+        if verify is None:
+            return self._decode_slots(qkv, z, b, a, meta.slot_ids[:n], meta)
+        gi = meta.gdn_ordinal[self.layer_idx]
+        states = meta.states
+        if verify.conv is None:  # the first GDN layer of the step
+            verify.conv = states.conv.new_empty(states.conv.shape[0], verify.positions, *states.conv.shape[2:])
+            verify.recurrent = states.recurrent.new_empty(states.recurrent.shape[0], verify.positions,
+                                                          *states.recurrent.shape[2:])
+        out = qkv.new_empty(n, self.value_dim)
+        for rows, keep in zip(verify.waves, verify.keep):
+            slots = meta.slot_ids.index_select(0, rows)
+            part = self._decode_slots(qkv.index_select(0, rows), z.index_select(0, rows), b.index_select(0, rows),
+                                      a.index_select(0, rows), slots, meta)
+            out.index_copy_(0, rows, part.to(out.dtype))
+            if keep is not None:
+                kept_slots, at = keep
+                verify.conv[gi].index_copy_(0, at, states.conv[gi].index_select(0, kept_slots))
+                verify.recurrent[gi].index_copy_(0, at, states.recurrent[gi].index_select(0, kept_slots))
+        return out
+
+    def _decode_slots(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                      slots: torch.Tensor, meta) -> torch.Tensor:
+        """``_decode_rows`` for rows of distinct ``slots``."""
         n = qkv.shape[0]
         if on_triton(qkv):
-            return self._decode_fused(qkv, z, a, b, meta)
+            return self._decode_fused(qkv, z, a, b, slots, meta)
         g, beta = self._gates(a, b)
-        out = self._decode(qkv, g, beta, meta)
+        out = self._decode(qkv, g, beta, slots, meta)
         return self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim)).reshape(n, self.value_dim)
 
     def _over_slots(self, groups: tuple[torch.Tensor, ...], z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -259,24 +286,24 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         return o
 
     def _decode_fused(self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      meta) -> torch.Tensor:
+                      slots: torch.Tensor, meta) -> torch.Tensor:
         """The decode step up to ``out_proj``'s input (conv, recurrence, gated output norm) as one
         Triton kernel working in place on the slots (CUDA)."""
         from .gdn_decode_triton import gdn_decode_step_triton
 
         gi = meta.gdn_ordinal[self.layer_idx]
         return gdn_decode_step_triton(qkv, z, a, b, meta.states.conv[gi], self.conv1d.weight, self.A_log,
-                                      self.dt_bias, meta.states.recurrent[gi], meta.slot_ids[: qkv.shape[0]],
+                                      self.dt_bias, meta.states.recurrent[gi], slots,
                                       meta.states.step_counts, self.norm.weight, self.norm.eps, self.num_k_heads)
 
-    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                meta) -> torch.Tensor:
         """One token per sequence, all sequences at once, states read from and written back to
         their slots in the pool (no host sync, so it can be captured in a CUDA graph). With the
         output norm, the torch reference of ``_decode_fused``."""
         b = qkv.shape[0]
         gi = meta.gdn_ordinal[self.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
-        slots = meta.slot_ids[:b]
         window = torch.cat([conv_pool.index_select(0, slots), qkv[:, None, :].to(conv_pool.dtype)], dim=1)
         weight = self.conv1d.weight.reshape(self.conv_dim, -1)  # [C, W]
         mixed = F.silu(torch.einsum("bwc,cw->bc", window.float(), weight.float())).to(qkv.dtype)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -41,13 +42,14 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
-               weights: str = "auto") -> CausalLM:
+               weights: str = "auto", mtp: bool = False) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
     (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0, GPTQ / AWQ
     projections) stay quantized where a linear method on ``device`` takes them
     (``placed_quantized``); "int8" / "int4" quantize the projections at load
-    (``quantized_at_load``)."""
+    (``quantized_at_load``). ``mtp``: with the checkpoint's MTP head (``models/mtp.py``, for
+    ``--spec mtp``); without it ``model.config.mtp_layers`` is 0."""
     from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
@@ -55,15 +57,21 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     on_cpu = torch.device(device).type == "cpu"
     start = time.perf_counter()
-    model = build_model(ckpt.config, dtype=dtype, device=device)
+    config = ckpt.config
+    if mtp and (ckpt.mtp_weights is None or not config.mtp_layers):
+        raise ValueError(f"{ckpt.source} has no MTP weights (mtp.*): serve it with --spec off or ngram")
+    model = build_model(config, dtype=dtype, device=device, mtp=mtp)
     keep = weights == "auto" and ckpt.quantized_weights is not None
+    source = ckpt.weights() if not mtp else chain(ckpt.weights(), ckpt.mtp_weights())
     if weights in QUANTIZED_AT_LOAD:
         keep = True
-        tensors = quantized_at_load(model, ckpt.weights(), QUANTIZED_AT_LOAD[weights], torch.device(device))
+        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device))
     elif keep:
-        tensors = placed_quantized(model, ckpt.quantized_weights(), torch.device(device))
+        quantized = ckpt.quantized_weights()
+        tensors = placed_quantized(model, quantized if not mtp else chain(quantized, ckpt.mtp_weights()),
+                                   torch.device(device))
     else:
-        tensors = ckpt.weights()
+        tensors = source
     model.load_weights(tensors)
     model.eval()
     if torch.device(device).type == "cuda" or keep:

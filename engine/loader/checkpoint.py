@@ -56,3 +56,6 @@ class Checkpoint:
     # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices, GPTQ / AWQ projections whose groups are
     # runs of consecutive columns); None when the checkpoint has none
     quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
+    # the MTP head's tensors (``mtp.*``, loaded by ``load_model(..., mtp=True)`` for ``--spec mtp``);
+    # None when the checkpoint has none
+    mtp_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None

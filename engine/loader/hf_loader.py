@@ -34,6 +34,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # weight groups that belong to parts we do not run yet (checked on the names as saved)
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")  # read apart, for --spec mtp (``Checkpoint.mtp_weights``)
 # a base model saved alone (Qwen3-Embedding's ``Qwen3Model``) has its stack's names without
 # ``model.``; tied, its LM head is its embedding
 _RENAMES = (("model.language_model.", "model."), ("embed_tokens.", "model.embed_tokens."),
@@ -50,6 +51,17 @@ def normalise_name(name: str) -> str:
 def skipped_prefix(name: str) -> str | None:
     """The skipped group ``name`` (as saved) belongs to, or None."""
     return next((p for p in SKIPPED_PREFIXES if name.startswith(p)), None)
+
+
+def _named(name: str, mtp: bool) -> str:
+    return name.removeprefix("model.") if mtp else normalise_name(name)
+
+
+def mtp_layer_count(names) -> int:
+    """MTP layers a checkpoint's tensor names hold (``mtp.layers.N.*``)."""
+    found = {int(n.split(".")[2]) for n in (x.removeprefix("model.") for x in names)
+             if n.startswith("mtp.layers.") and n.split(".")[2].isdigit()}
+    return max(found) + 1 if found else 0
 
 
 def weight_files(path: str) -> dict[str, list[str]]:
@@ -82,8 +94,9 @@ def _opened(file: str):
 
 
 def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, plan: QuantPlan | None = None,
-                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
-    """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``.
+                 keep_quantized: bool = False, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``
+    (``mtp``: the MTP head's tensors only, named ``mtp.*``).
 
     In a pre-quantized checkpoint (``quant``, its tensors ``plan``: ``hf_quant.py``) each
     quantized projection comes once, as ``P.weight``, when its anchor tensor comes: FP8 ones
@@ -110,7 +123,7 @@ def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, 
         for file, names in files.items():
             f = opened(file)
             for name in names:
-                if name in skip or skipped_prefix(name) is not None:
+                if name in skip or (not name.startswith(MTP_PREFIXES) if mtp else skipped_prefix(name) is not None):
                     continue
                 module = anchors.get(name)
                 if module is None:
@@ -118,7 +131,7 @@ def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, 
                     if tensor.dtype in FP8_DTYPES:
                         raise ValueError(f"{name} is float8 with no {name}_scale_inv"
                                          + ("" if quant else " and the checkpoint has no quantization_config"))
-                    yield normalise_name(name), tensor
+                    yield _named(name, mtp), tensor
                     continue
                 if quant.method == "fp8":
                     weight = fp8_dequantize(name, f.get_tensor(name), get(f"{module}.{FP8_SCALE}"), quant.block)
@@ -129,7 +142,7 @@ def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, 
                         if keep_quantized:
                             dequantized.append(module)
                         weight = packed.dequantize()
-                yield normalise_name(f"{module}.weight"), weight
+                yield _named(f"{module}.weight", mtp), weight
     if dequantized:
         log.info("%d %s projections dequantized at load: their groups are not runs of consecutive input "
                  "columns (act-order, desc_act) or do not split the row (%s%s)", len(dequantized), quant.kind,
@@ -185,8 +198,12 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     for prefix, count in skipped.items():
         log.info("skipping %d tensors under %r (not run by this engine yet)", count, prefix)
     plan = None
+    names = [n for group in files.values() for n in group]
+    mtp_layers = mtp_layer_count(names)
+    if mtp_layers and not config.mtp_layers:  # a config that does not count them (Qwen3-Next's)
+        config.mtp_layers = mtp_layers
     if quant is not None:
-        plan = plan_tensors({n for names in files.values() for n in names if skipped_prefix(n) is None}, quant)
+        plan = plan_tensors({n for n in names if skipped_prefix(n) is None or n.startswith(MTP_PREFIXES)}, quant)
         held = "dequantized at load" if quant.method == "fp8" else "kept quantized where a linear method takes them"
         log.info("%s checkpoint: %d quantized projections, %s", quant.kind, len(plan.anchors), held)
 
@@ -208,4 +225,5 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         source=path,
         skipped_prefixes=tuple(skipped),
         pooling=declared_pooling(path),
+        mtp_weights=(lambda: iter_weights(files, quant, plan, mtp=True)) if mtp_layers else None,
     )

@@ -40,6 +40,35 @@ class PromptRows:
 
 
 @dataclass
+class VerifyRows:
+    """The decode rows of a step that verify drafts (speculative decoding, ``spec.py``): each
+    verifying request runs as ``1 + k`` decode rows over one state slot, position ``j`` of every
+    such request in wave ``j``. A Gated DeltaNet layer runs the waves one after another, so each
+    position continues from the state the one before it left in the slot, and keeps the state after
+    every position but a request's last in ``conv`` / ``recurrent`` (the last one stays in the
+    slot): once the drafts are checked, ``commit`` puts the state after the last accepted position
+    back in the slot, with nothing computed again."""
+
+    waves: list[torch.Tensor]  # per wave, the decode rows it runs (int64, on the device)
+    # per wave, where the states it leaves are kept: (the rows' state slots, their rows in the buffers)
+    keep: list[tuple[torch.Tensor, torch.Tensor] | None]
+    positions: int  # rows of the buffers: every verifying request's positions but its last
+    requests: dict[int, tuple[int, int]]  # id(request) -> (its first row in the buffers, its positions)
+    # filled by the first Gated DeltaNet layer that runs: [gdn layers, positions, ...] per state
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+
+    def commit(self, states, request, slot: int, index: int) -> None:
+        """Slot ``slot`` (``request``'s) takes the states after its position ``index`` of the
+        verify row (nothing when that is its last position: the slot holds it already)."""
+        at, width = self.requests[id(request)]
+        if self.conv is None or index >= width - 1:
+            return
+        states.conv[:, slot] = self.conv[:, at + index]
+        states.recurrent[:, slot] = self.recurrent[:, at + index]
+
+
+@dataclass
 class StepMeta:
     """Device-side description of one step over the shared pools, built once per step.
 
@@ -60,6 +89,7 @@ class StepMeta:
     slot_ids: torch.Tensor  # [R] int64, state slot of each row
     num_decode: int = -1  # rows of one token (-1: every row)
     prompt: PromptRows | None = None
+    verify: VerifyRows | None = None  # decode rows that verify drafts, in a model with recurrent layers
 
     def __post_init__(self) -> None:
         if self.num_decode < 0:

@@ -29,6 +29,7 @@ from ..layers.moe import SparseMoeBlock, fuse_expert_weights
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM, PreNormLayer, PreNormStack
+from .mtp import MTPHead
 from .weights import load_parameters
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -126,6 +127,15 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.model = HybridDecoderStack(config, self.gdn_class, self.norm_topk_prob(config))
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
+        # the MTP head (``mtp.*``), built when the config counts its layers (``load_model`` keeps
+        # them only for ``--spec mtp``)
+        self.mtp = MTPHead(config, HybridDecoderLayer, self.gdn_class, self.norm_topk_prob(config)) \
+            if config.mtp_layers else None
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch, layer: int = 0) -> torch.Tensor:
+        """The MTP head's hidden states ``[N, H]`` for the tokens ``input_ids`` that follow
+        positions whose final hidden states are ``hidden`` (``models/mtp.py``)."""
+        return self.mtp(self.model.embed_tokens(input_ids), hidden, batch, layer)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.is_moe:

@@ -1,6 +1,8 @@
 """``ModelConfig.family`` -> model class, built without wasting time on random initialisation."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
@@ -42,13 +44,17 @@ def _pick(module, family: str) -> type[CausalLM]:
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp: bool = False
 ) -> CausalLM:
     """An uninitialised model of ``dtype`` on ``device``, in eval mode; call ``load_weights`` next.
+    ``mtp``: with the MTP head the config counts (``models/mtp.py``); without it the model's
+    config counts none.
 
     The modules are created on the ``meta`` device (no memory, no random init) and then given
     empty storage on ``device``, so parameter values are garbage until the checkpoint is loaded.
     """
+    if not mtp and config.mtp_layers:
+        config = replace(config, mtp_layers=0)
     cls = model_class(config.family)
     with torch.device("meta"):
         model = cls(config)

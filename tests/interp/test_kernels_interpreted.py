@@ -287,3 +287,40 @@ def test_int4_triton_method_fused_projections(rows, monkeypatch):
     assert rel_err(fused(x), want) < 1e-5
     for lin, w in zip(parts, dense):
         assert rel_err(lin(x), x @ w.T) < 1e-5
+
+
+def test_fused_gdn_step_runs_verify_rows_in_waves(tmp_path_factory):
+    """Speculative verify rows of a hybrid model through the fused GDN step kernel: each wave a
+    launch over distinct slots, each position's states kept and the accepted one put back (drafts
+    from the answers with a token spoiled at a moving place, so every accepted length is seen)."""
+    from support.overlap import drive
+    from support.spec_drafts import AnswerDrafter, use_drafter
+
+    parts = load_parts("qwen3_5", tmp_path_factory)
+    specs = {0: {"max_tokens": 12}, 1: {"max_tokens": 9}}
+    plain, _ = drive(parts, False, specs)
+    answers = {name: seen["tokens"] for name, seen in plain.items()}
+    engines = []
+    fast, _ = drive(parts, False, specs, spec="ngram", draft_tokens=3, engine_out=engines,
+                    prepare=lambda e: use_drafter(e, AnswerDrafter(answers, 3, spoil=True)))
+    assert fast == plain
+    c = engines[0].counters
+    assert 0 < c.spec_accepted_tokens < c.spec_draft_tokens
+
+
+def test_fused_kernels_run_the_mtp_head(tmp_path_factory):
+    """``--spec mtp`` through the fused kernels: greedy outputs as without drafts."""
+    import torch
+
+    from ninfer.engine.loader import load_checkpoint, load_model
+    from support.mtp_weights import add_mtp_weights
+    from support.overlap import drive
+    from support.tiny import save_tiny_qwen3_5
+
+    ckpt = load_checkpoint(add_mtp_weights(save_tiny_qwen3_5(tmp_path_factory.mktemp("mtp") / "ckpt")))
+    parts = (load_model(ckpt, "cpu", torch.float32, mtp=True), ckpt.tokenizer)
+    specs = {0: {"max_tokens": 10}, 1: {"max_tokens": 7}}
+    plain, _ = drive(parts, False, specs)
+    engines = []
+    fast, _ = drive(parts, False, specs, spec="mtp", draft_tokens=2, engine_out=engines)
+    assert fast == plain and engines[0].counters.spec_draft_tokens > 0

@@ -1,5 +1,5 @@
-"""``--spec ngram`` through the server on a tiny Llama: the text of a greedy ``/completion`` is the
-same as without it, its ``timings`` carry llama.cpp's ``draft_n`` / ``draft_n_accepted``, and
+"""``--spec ngram`` through the server on a tiny Llama (and ``--spec mtp`` on a tiny Qwen3.5 with
+MTP weights): the text of a greedy ``/completion`` is the same as without it, its ``timings`` carry llama.cpp's ``draft_n`` / ``draft_n_accepted``, and
 ``/metrics`` and ``/stats`` count the rounds, drafted and accepted tokens."""
 from __future__ import annotations
 
@@ -66,3 +66,25 @@ def test_ngram_drafts_through_the_server(checkpoint):
             assert 0 < spec["acceptance_by_position"][0] <= 1
     finally:
         loop.stop()
+
+
+def test_mtp_drafts_through_the_server(tmp_path):
+    """The head's drafts (random weights: mostly rejected) leave the text as it is, and are counted."""
+    from support.mtp_weights import add_mtp_weights
+    from support.tiny import save_tiny_qwen3_5
+
+    path = add_mtp_weights(save_tiny_qwen3_5(tmp_path / "qwen3_5"))
+    texts = []
+    for flags in ((), ("--spec", "mtp", "--draft-tokens", "3")):
+        state, loop = serve(path, *flags)
+        try:
+            with TestClient(create_app(state)) as client:
+                out = complete(client)
+                texts.append((out["content"], out["tokens"]))
+                if flags:
+                    assert out["timings"]["draft_n"] > 0
+                    assert metric(client, "ninfer_spec_decode_draft_tokens_total") == out["timings"]["draft_n"]
+                    assert client.get("/stats").json()["speculative"]["enabled"] is True
+        finally:
+            loop.stop()
+    assert texts[0] == texts[1]

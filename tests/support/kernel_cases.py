@@ -122,7 +122,7 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
             layer.norm.weight, layer.norm.eps, k_heads, block_v)
         beta = torch.sigmoid(bb.float()).cpu()
         g = (-torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())).cpu()
-        o = ref_layer._decode(qkv.cpu(), g, beta, ref_meta)
+        o = ref_layer._decode(qkv.cpu(), g, beta, slot_ids.cpu(), ref_meta)
         ref = ref_layer.norm(o, z.cpu().view(b, v_heads, head_dim)).reshape(b, -1)
         assert rel_err(out.cpu(), ref) < 2e-2
         assert rel_err(rec[0, slot_ids].cpu(), rec_ref[0, slot_ids.cpu()]) < 1e-3

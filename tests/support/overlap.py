@@ -32,18 +32,20 @@ def count_launched_ahead(engine: LLMEngine):
 
 
 def drive(parts, overlap: bool, specs: dict, arrivals: dict | None = None, abort_at: dict | None = None,
-          device: str = "cpu", cuda_graphs: bool = True, engine_out: list | None = None, **config):
+          device: str = "cpu", cuda_graphs: bool = True, engine_out: list | None = None, prepare=None, **config):
     """Run requests built from ``specs`` (id -> params); ``arrivals`` adds a request once another
     has that many tokens, ``abort_at`` aborts one once it has that many; ``config``: more engine
-    settings (``spec``); ``engine_out`` gets the engine. Returns what each request's outputs said,
+    settings (``spec``, or in place of the defaults: ``kv_capacity``); ``engine_out`` gets the engine, ``prepare`` is called with it before the
+    first request. Returns what each request's outputs said,
     and how many steps were launched ahead."""
     model, tok = parts
-    engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=6, prefill_chunk=32,
-                                                kv_capacity=2048, page_size=8,
-                                                overlap=overlap, device=device, cuda_graphs=cuda_graphs,
-                                                dtype=next(model.parameters()).dtype, **config))
+    settings = dict(max_context=160, max_concurrency=6, prefill_chunk=32, kv_capacity=2048, page_size=8,
+                    overlap=overlap, device=device, cuda_graphs=cuda_graphs, dtype=next(model.parameters()).dtype)
+    engine = LLMEngine(model, tok, EngineConfig(**{**settings, **config}))
     if engine_out is not None:
         engine_out.append(engine)
+    if prepare is not None:
+        prepare(engine)
     launched_ahead = count_launched_ahead(engine)
     reqs = {i: make(i, tok, **p) for i, p in specs.items()}
     arrivals, abort_at = dict(arrivals or {}), dict(abort_at or {})

@@ -1,0 +1,38 @@
+"""Drafters for speculative-decoding tests: drafts taken from a known answer (the model's own
+greedy tokens from a run without drafts), whole (an oracle) or with one token spoiled at a
+position that moves from round to round, so every accepted length is seen."""
+from __future__ import annotations
+
+from ninfer.engine.engine import LLMEngine
+from ninfer.engine.request import Request
+from ninfer.engine.spec import Drafter
+
+
+class AnswerDrafter(Drafter):
+    """Proposes what follows each request's output in ``answers`` (request id -> the tokens it
+    gives without drafts); with ``spoil``, round ``r`` of a request changes its draft's token
+    ``r % (k + 1)`` (none when that is ``k``), so rounds accept 0 .. k drafts in turn."""
+
+    def __init__(self, answers: dict[str, list[int]], draft_tokens: int, spoil: bool = False) -> None:
+        super().__init__(draft_tokens, 1, 1)
+        self.answers, self.spoil = answers, spoil
+        self.rounds: dict[str, int] = {}
+
+    def propose(self, req: Request) -> list[int]:
+        if not self.eligible(req):
+            return []
+        k, n = self.limit(req), len(req.output_ids)
+        draft = list(self.answers[req.request_id][n : n + k])
+        if self.spoil and draft:
+            r = self.rounds.get(req.request_id, 0)
+            self.rounds[req.request_id] = r + 1
+            at = r % (len(draft) + 1)
+            if at < len(draft):
+                draft[at] = (draft[at] + 1) % 50
+        return draft
+
+
+def use_drafter(engine: LLMEngine, drafter: Drafter) -> None:
+    """Make ``engine`` (built with a ``spec`` setting) draft with ``drafter``."""
+    engine.drafter = engine.scheduler.drafter = drafter
+    engine.counters.spec_enabled = True
