@@ -2,7 +2,7 @@
 
     python -m bench.cache_cost --shape qwen3.5-0.8b [--streams 64] [--prompt-tokens 200]
                                [--output-tokens 256] [--modes on,host0,off]
-                               [--conversation 30000] [--profile] [--trace-turn] [--json FILE]
+                               [--conversation 30000] [--profile] [--trace-turn T] [--json FILE]
 
 Random bf16 weights at the real shape are made on the GPU (no checkpoint, no server), with the
 server's cache settings (16 prefix checkpoints, the host tier at its size on a GPU). For each mode
@@ -12,8 +12,8 @@ output tok/s and the engine's time to first token. ``--conversation N`` then run
 conversation as a returning user makes it, after another user's N-token prompt: a first turn of
 N tokens, two returning turns with the answer and 256 new tokens; time to first token of each.
 ``--profile`` prints where the host time of the streams run goes (cProfile, by cumulative time);
-``--trace-turn`` prints ``torch.profiler``'s table of the conversation's last returning turn (host
-and device time per op, by device time and by host time).
+``--trace-turn T`` prints ``torch.profiler``'s table of the conversation's turn ``T`` (0 the first,
+2 the last; host and device time per op, by device time and by host time).
 """
 from __future__ import annotations
 
@@ -84,10 +84,11 @@ def run_to_end(engine, reqs, profile: cProfile.Profile | None = None) -> dict:
             "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
 
 
-def conversation(engine, cfg, length: int, out: int = 32, turn: int = 256, trace_top: int = 0) -> list[float]:
+def conversation(engine, cfg, length: int, out: int = 32, turn: int = 256, trace: int | None = None,
+                 top: int = 40) -> list[float]:
     """Another user's prompt of ``length`` tokens, then three turns of one conversation (the
     first of ``length`` tokens, each later one the conversation so far + ``turn`` new tokens):
-    the time to first token of each turn. ``trace_top``: print the top ops of the last turn."""
+    the time to first token of each turn. ``trace``: print the ``top`` ops of that turn."""
     limit = engine.config.max_context
     run_to_end(engine, requests(1, length, 4, cfg.vocab_size, "other", limit))
     g = torch.Generator().manual_seed(7)
@@ -95,14 +96,14 @@ def conversation(engine, cfg, length: int, out: int = 32, turn: int = 256, trace
     times = []
     for t in range(3):
         (req,) = requests(1, 0, out, cfg.vocab_size, f"turn{t}-", limit, prompts=[list(ids)])
-        if trace_top and t == 2:
+        if trace == t:
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=acts) as prof:
                 times.append(run_to_end(engine, [req])["ttft_p50_s"])
             table = prof.key_averages()
             for key in (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
-                print(f"## the last returning turn, by {key}\n" + table.table(sort_by=key, row_limit=trace_top),
+                print(f"## turn {t}, by {key}\n" + table.table(sort_by=key, row_limit=top),
                       flush=True)
         else:
             times.append(run_to_end(engine, [req])["ttft_p50_s"])
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs of the streams load per mode (the first warms up)")
     p.add_argument("--conversation", type=int, default=0, help="tokens of the first turn (0: none)")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--trace-turn", action="store_true", help="torch.profiler over the last returning turn")
+    p.add_argument("--trace-turn", type=int, choices=(0, 1, 2), default=None,
+                   help="torch.profiler over this turn of the conversation (0: the first)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
@@ -147,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"## {mode}: host time of the streams run (cProfile, cumulative)\n{s.getvalue()}", flush=True)
         res = {"streams": rounds[-1]}
         if args.conversation:
-            res["conversation_ttft_s"] = conversation(engine, cfg, args.conversation,
-                                                   trace_top=args.top if args.trace_turn else 0)
+            res["conversation_ttft_s"] = conversation(engine, cfg, args.conversation, trace=args.trace_turn,
+                                                   top=args.top)
         results[mode] = res
         print(mode, json.dumps(res), flush=True)
         del engine
