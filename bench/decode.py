@@ -3,13 +3,18 @@
     python -m bench.decode --shape qwen3.5-27b [--shape ...] [--batches 1,8,32] [--context 4096]
                            [--prefill 512,16384] [--steps 32] [--beside 8] [--no-hf] [--json FILE]
                            [--set attention_max_splits=32 ...] [--weights bf16|int8|int4]
+                           [--verify 4]
 
 Random bf16 weights at the real shape are made directly on the GPU (no checkpoint); ``--weights
 int4`` / ``int8`` then holds them as the server's ``--weights`` does. The run first
 measures the card's copy bandwidth and bf16 matmul rate, then for each shape: decode tok/s at each
 batch size with ``--context`` tokens already in the cache, prefill tok/s for each prompt length,
 the bytes one decode step must stream (weights + GDN state + KV) and the percentage of the
-bandwidth floor reached; with ``--beside N``, each prompt again while N requests decode beside it
+bandwidth floor reached; with ``--verify K``, at each batch size the step in which every request
+checks a draft (a row of ``K`` tokens against its cached context: its last token and ``K - 1``
+drafts that random weights reject, so every step verifies a full row), its time beside the plain
+decode step's, and the tok/s a speculative round would give at the published acceptance; with
+``--beside N``, each prompt again while N requests decode beside it
 (its prefill tok/s, and the decoders' gap between tokens with and without it); then the same work
 through HF transformers (+ fla-core). It prints a
 table and writes JSON. ``--set`` changes a kernel launch setting (``engine/launch.py``), or one
@@ -29,7 +34,8 @@ import numpy as np
 import torch
 
 from ninfer.engine import launch
-from ninfer.engine.request import Status
+from ninfer.engine.request import Request, Status
+from ninfer.engine.spec import Drafter
 
 from .gpu_env import back_to_back_ms, measure_ceilings
 from .shapes import SHAPES, shape_config
@@ -56,6 +62,21 @@ class NullTokenizer:
 
     def token_to_id(self, token):
         return None
+
+
+class RejectedDrafter(Drafter):
+    """Drafts of as many copies of token 0 as a request may take: a model of random weights
+    almost never agrees, so each step verifies a full row and commits one token."""
+
+    def __init__(self, draft_tokens: int) -> None:
+        super().__init__(draft_tokens, 1, 1)
+
+    def propose(self, req: Request) -> list[int]:
+        return [0] * self.limit(req) if self.eligible(req) else []
+
+
+# Accepted tokens per round that Qwen3.6-27B's MTP head is published at, by drafts per round
+PUBLISHED_ACCEPTANCE = {1: 1.9, 2: 2.4, 3: 2.8}
 
 
 def randomize_(model: torch.nn.Module) -> None:
@@ -127,7 +148,7 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
-            prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None):
+            prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None, verify: int = 0):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -140,15 +161,24 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     if bits is not None:
         quantize_(model, bits)
     fuse_model_projections(model)
-    out = steps + max_batch  # a request also decodes while the later ones are prefilled
+    out = (steps + max_batch) * max(verify, 1)  # a request also decodes while the later ones are prefilled
     chunk = prefill_chunk or max(prefill_max, 2048)
     if beside:  # decoders go on through the steps of every prompt prefilled beside them
         out += _beside_tokens(steps, prefill_max, chunk)
     max_ctx = max(context + out + 96, prefill_max + 16)
     ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch + (beside > 0), prefill_chunk=chunk,
                         kv_capacity=max_batch * (context + out + 32) + max_ctx, page_size=16,
-                        host_cache_mib=0, device=device, dtype=dtype)
-    return LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
+                        host_cache_mib=0, device=device, dtype=dtype,
+                        **({"spec": "ngram", "draft_tokens": verify - 1} if verify > 1 else {}))
+    engine = LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
+    use_drafter(engine, None)  # plain decode steps unless a verify run draws
+    return engine
+
+
+def use_drafter(engine, drafter: Drafter | None) -> None:
+    """Let ``engine`` (built with a ``spec`` setting when ``drafter`` is given) draft with
+    ``drafter``, or not at all."""
+    engine.drafter = engine.scheduler.drafter = drafter
 
 
 def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str, limit: int):
@@ -177,21 +207,27 @@ def _graph_ms(engine, reqs) -> float | None:
     return back_to_back_ms(lambda: graphs.replay(b), 20, warm=0)
 
 
-def decode_step_s(engine, reqs, steps: int) -> float:
+def decode_step_s(engine, reqs, steps: int, drafter: Drafter | None = None) -> float:
     """Seconds per ``engine.step()`` while every request of ``reqs`` decodes: they are added and
-    prefilled, two steps warm up, then ``steps`` steps are timed (the requests are left running)."""
+    prefilled (if they are not running yet), two steps warm up, then ``steps`` steps are timed
+    (the requests are left running). With ``drafter``, the warm-up and timed steps draft with it."""
     for r in reqs:
-        engine.add_request(r)
+        if r.num_computed == 0 and not r.output_ids:
+            engine.add_request(r)
     while any(not r.output_ids for r in reqs):
         engine.step()
-    for _ in range(2):
-        engine.step()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync()
-    dt = (time.perf_counter() - t0) / steps
+    use_drafter(engine, drafter)
+    try:
+        for _ in range(2):
+            engine.step()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        dt = (time.perf_counter() - t0) / steps
+    finally:
+        use_drafter(engine, None)
     stopped = [r.request_id for r in reqs if r.status is not Status.DECODE]
     if stopped:  # a step of fewer sequences than asked for would be timed as one of b
         raise RuntimeError(f"{len(stopped)} of {len(reqs)} requests stopped decoding during the timed steps")
@@ -246,20 +282,31 @@ def _step_times(engine, steps: int) -> list[float]:
 
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
-               device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None) -> dict:
+               device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None,
+               verify: int = 0) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
-    engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills), device, prefill_chunk, beside,
-                     bits)
+    engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills or [0]), device, prefill_chunk,
+                     beside, bits, verify)
     weight_bytes = None if bits is None else streamed_weight_bytes(engine.model)
     out: dict = {"decode": {}, "prefill": {}, "weight_gb": weight_bytes and weight_bytes / 1e9}
     for b in batches:
-        reqs = _requests(b, context, steps + b + 64, cfg.vocab_size, f"d{b}-", engine.config.max_context)
+        reqs = _requests(b, context, (steps + b + 64) * max(verify, 1), cfg.vocab_size, f"d{b}-",
+                         engine.config.max_context)
         dt = decode_step_s(engine, reqs, steps)
         graph_ms = _graph_ms(engine, reqs)
-        for r in reqs:
-            engine.abort(r.request_id)
         out["decode"][b] = {"ms_per_step": dt * 1e3, "tok_s": b / dt, "graph_ms": graph_ms,
                             "bytes_per_step": bytes_per_step(cfg, b, context, weight_bytes)}
+        if verify > 1:
+            made, c = sum(len(r.output_ids) for r in reqs), engine.counters
+            rounds, drafts = c.spec_rounds, c.spec_draft_tokens
+            vt = decode_step_s(engine, reqs, steps, RejectedDrafter(verify - 1))
+            rounds = c.spec_rounds - rounds
+            out["decode"][b]["verify"] = {
+                "rows": verify, "ms_per_step": vt * 1e3, "vs_decode": vt / dt,
+                "tokens_per_row": (sum(len(r.output_ids) for r in reqs) - made) / max(rounds, 1),
+                "drafts_per_row": (c.spec_draft_tokens - drafts) / max(rounds, 1)}
+        for r in reqs:
+            engine.abort(r.request_id)
     for n in prefills:
         (req,) = _requests(1, n, 1, cfg.vocab_size, f"p{n}-", engine.config.max_context)
         warm = _requests(1, n, 1, cfg.vocab_size, f"w{n}-", engine.config.max_context)[0]
@@ -387,6 +434,14 @@ def table(results: dict, ceilings: dict) -> str:
             graph = f", graph {d['graph_ms']:.2f} ms" if d.get("graph_ms") else ""
             rows.append(f"| {name} | decode b={b} | {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.2f} ms{graph}) | {hf_txt} | "
                         f"{ratio} | {d['bytes_per_step'] / 1e9:.2f} GB | {floor_ms:.2f} | {100 * floor_ms / d['ms_per_step']:.1f}% |")
+            if "verify" in d:
+                v = d["verify"]
+                drafts = v["rows"] - 1
+                gain = (f"; at {PUBLISHED_ACCEPTANCE[drafts]} accepted a round "
+                        f"{PUBLISHED_ACCEPTANCE[drafts] / v['vs_decode']:.2f}x decode") if drafts in PUBLISHED_ACCEPTANCE else ""
+                rows.append(f"| {name} | verify b={b}, rows of {v['rows']} | {v['ms_per_step']:.2f} ms a step, "
+                            f"{v['vs_decode']:.2f}x the decode step ({v['tokens_per_row']:.2f} tokens a row kept{gain}) "
+                            f"| | | | | |")
         for n, p in ours["prefill"].items():
             h = hf.get("prefill", {}).get(n, {})
             hf_txt = f"{h['tok_s']:.0f} tok/s" if "tok_s" in h else h.get("error", "-")
@@ -428,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--hf-batches", default="1,8", help="batch sizes for the transformers peer")
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="also time steps whose rows check K - 1 drafts (rows of K tokens) at each batch size")
     p.add_argument("--json", default=None)
     p.add_argument("--gemv", choices=["auto", "off"], default="auto",
                    help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")
@@ -447,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shape:
         results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
                                                  prefill_chunk=args.prefill_chunk, beside=args.beside,
-                                                 bits={"int4": 4, "int8": 8}.get(args.weights))}
+                                                 bits={"int4": 4, "int8": 8}.get(args.weights),
+                                                 verify=args.verify)}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

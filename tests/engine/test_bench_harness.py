@@ -32,6 +32,23 @@ def test_bench_harness_times_every_request_of_a_large_batch():
     assert set(out["decode"]) == {1, 64} and all(d["tok_s"] > 0 for d in out["decode"].values())
 
 
+def test_verify_rows_are_timed_beside_the_decode_step_and_shown_in_the_table():
+    """``--verify 4``: every timed step checks a row of 4 tokens per request (3 drafts the random
+    weights reject, so one token a row is kept), and the table puts its time beside decode's."""
+    cfg = ModelConfig.from_hf_dict(TINY)
+    out = bench_ours(cfg, [1, 3], context=24, prefills=[], steps=4, device="cpu", verify=4)
+    for b in (1, 3):
+        v = out["decode"][b]["verify"]
+        assert v["rows"] == 4 and v["ms_per_step"] > 0
+        assert v["vs_decode"] == v["ms_per_step"] / out["decode"][b]["ms_per_step"]
+        assert v["drafts_per_row"] == 3  # a full row checked in every round
+        assert 1.0 <= v["tokens_per_row"] < 1.5  # the model's own token kept
+    text = table({"tiny": {"ninfer": out}}, {"gpu": "cpu", "copy_gb_s": 10.0, "matmul_tflops": 1.0})
+    row = next(line for line in text.splitlines() if "verify b=3" in line)
+    assert f"{out['decode'][3]['verify']['vs_decode']:.2f}x the decode step" in row
+    assert f"{2.8 / out['decode'][3]['verify']['vs_decode']:.2f}x decode" in row
+
+
 def test_bytes_per_step_grows_with_batch_and_context():
     cfg = ModelConfig.from_hf_dict(TINY)
     assert bytes_per_step(cfg, 8, 40) > bytes_per_step(cfg, 1, 40)
