@@ -2,7 +2,7 @@
 
 ``Linear`` is ``nn.Linear`` whose weight may be held quantized instead: a ``GroupQuantized``
 weight (integers with a scale and an offset per group of input columns, as a GGUF file stores
-Q4_0 / Q4_1 / Q4_K / Q8_0) is placed with ``Linear.take_quantized``, which swaps the dense parameter
+Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0) is placed with ``Linear.take_quantized``, which swaps the dense parameter
 for a ``LinearMethod``: a module that owns the packed form of the weight and whose
 ``forward(x)`` is ``x @ weight.T``. The layers call the projection (``proj(x)``) and never look
 at which kind it holds. Projections of one input held quantized fuse like dense ones
@@ -17,7 +17,10 @@ product, fp16 ones 100x): the activations are rounded to bf16 for the product, t
 scales and zeros are held in bf16, and the result, rounded to bf16, comes back in the caller's
 dtype. 8-bit groups (Q8_0) are split into their high and low nibbles, two int4 products over the
 same groups, summed (at 49152 x 576, 2.0 ms a token on two cores against 4.3 ms for the fp32
-dequantized weight).
+dequantized weight). Symmetric groups smaller than the kernel's 32 (Q6_K's 16) become one weight
+in groups of 32 per position of a group within 32 columns: each keeps its own columns and zeros
+elsewhere (a zero integer is a zero value where there is no offset), so Q6_K takes four int4
+products, 2.5 bytes a weight against the dense fp32 weight's 4.
 
 On the GPU a 4-bit weight is held packed two values a byte with fp16 scales and offsets
 (``TritonGroupMethod``, about 4.25 bits a weight at groups of 128; an 8-bit one a value a byte): decode rows (up to
@@ -98,6 +101,32 @@ class LinearMethod(nn.Module):
     in_features: int
 
 
+def widen_groups(w: GroupQuantized) -> list[GroupQuantized]:
+    """``w`` as weights in groups of 32 whose sum is ``w``: itself where its groups are 32 or
+    more; for symmetric groups of ``g`` dividing 32, one per position ``i`` of a group within 32
+    columns, holding the groups at ``i`` (their integers and scales) and zeros elsewhere."""
+    width = INT4_GROUPS[0]
+    if w.group >= width:
+        return [w]
+    if width % w.group or w.offset is not None:
+        raise ValueError(f"{w.kind}: groups of {w.group} do not widen to {width} (only symmetric divisors do)")
+    ways = width // w.group
+    position = torch.arange(w.q.shape[1]) // w.group % ways
+    zero = torch.zeros((), dtype=w.q.dtype)
+    return [GroupQuantized(torch.where(position == i, w.q, zero), w.scale[:, i::ways].contiguous(), None, width,
+                           w.bits, w.kind) for i in range(ways)]
+
+
+def _int4_parts(w: GroupQuantized) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The packed int4 parts and their scales/zeros of ``w`` (groups the int4 matmul takes)."""
+    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
+    if w.bits == 4:
+        return [_int4_pack(w.q)], [_scale_zeros(w.scale, offset + 8 * w.scale)]
+    q = w.q.to(torch.int32)  # q = 16 * (high - 8) + low, high and low in 0 .. 15
+    high, low = (q >> 4) + 8, q & 15
+    return [_int4_pack(high), _int4_pack(low)], [_scale_zeros(16 * w.scale, offset), _scale_zeros(w.scale, 8 * w.scale)]
+
+
 def _int4_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
@@ -110,7 +139,8 @@ def _scale_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 class Int4CpuMethod(LinearMethod):
     """One or more int4 parts over the same input columns, summed: ``sum_p (q_p - 8) *
     scale_p + zero_p`` per group. A 4-bit weight is one part (``zero = offset + 8 * scale``), an
-    8-bit one two (its high nibble at 16x the scale, its low nibble)."""
+    8-bit one two (its high nibble at 16x the scale, its low nibble); a symmetric one in groups of
+    ``g`` < 32 those of its ``32 / g`` column-masked weights in groups of 32 (``widen_groups``)."""
 
     def __init__(self, packed: list[torch.Tensor], scale_zeros: list[torch.Tensor], group: int,
                  in_features: int) -> None:
@@ -125,14 +155,12 @@ class Int4CpuMethod(LinearMethod):
 
     @classmethod
     def from_groups(cls, w: GroupQuantized) -> "Int4CpuMethod":
-        offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
-        if w.bits == 4:
-            return cls([_int4_pack(w.q)], [_scale_zeros(w.scale, offset + 8 * w.scale)], w.group, w.q.shape[1])
-        q = w.q.to(torch.int32)  # q = 16 * (high - 8) + low, high and low in 0 .. 15
-        high, low = (q >> 4) + 8, q & 15
-        return cls([_int4_pack(high), _int4_pack(low)],
-                   [_scale_zeros(16 * w.scale, offset), _scale_zeros(w.scale, 8 * w.scale)],
-                   w.group, w.q.shape[1])
+        packed, scale_zeros = [], []
+        for part in widen_groups(w):
+            p, sz = _int4_parts(part)
+            packed += p
+            scale_zeros += sz
+        return cls(packed, scale_zeros, max(w.group, INT4_GROUPS[0]), w.q.shape[1])
 
     def _part(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"packed{i}"), getattr(self, f"scale_zeros{i}")
@@ -216,8 +244,10 @@ def method_fits(w: GroupQuantized, device: torch.device) -> bool:
 
 
 def cpu_method_fits(w: GroupQuantized) -> bool:
-    """Whether the CPU int4 matmul takes ``w``'s shape and groups."""
-    return w.group in INT4_GROUPS and w.shape[0] % INT4_ROW_BLOCK == 0
+    """Whether the CPU int4 matmul takes ``w``'s shape and groups (smaller symmetric groups that
+    divide its smallest: ``widen_groups``)."""
+    widens = w.group < INT4_GROUPS[0] and INT4_GROUPS[0] % w.group == 0 and w.offset is None
+    return (w.group in INT4_GROUPS or widens) and w.shape[0] % INT4_ROW_BLOCK == 0
 
 
 def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
@@ -229,7 +259,8 @@ def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
         return TritonGroupMethod.from_groups(w, device)
     if not cpu_method_fits(w):
         raise ValueError(f"{w.kind} weight {tuple(w.shape)} in groups of {w.group}: the CPU int4 matmul "
-                         f"needs groups of {INT4_GROUPS} and output rows in multiples of {INT4_ROW_BLOCK}")
+                         f"needs groups of {INT4_GROUPS} (or symmetric ones dividing {INT4_GROUPS[0]}) and "
+                         f"output rows in multiples of {INT4_ROW_BLOCK}")
     return Int4CpuMethod.from_groups(w)
 
 

@@ -10,7 +10,7 @@ grouped to tiled order, MoE experts split into ``ffn_gate_exps`` / ``ffn_up_exps
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from support.gguf_files import write_gguf
+from support.k_quants import K_QUANTS, encode
 from support.tiny import train_tokenizer
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -36,13 +37,15 @@ PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_ga
                "output", "token_embd")
 
 
-def tiny_model(moe: bool = False, seed: int = 0, vocab: int = 400):
+def tiny_model(moe: bool = False, seed: int = 0, vocab: int = 400, **text: Any):
+    """``text``: config entries over ``TEXT`` (and the dense model's ``intermediate_size`` 96)."""
     torch.manual_seed(seed)
     if moe:
-        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(vocab_size=vocab, **TEXT, **MOE))
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(vocab_size=vocab,
+                                                                                       **{**TEXT, **MOE, **text}))
     else:
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(vocab_size=vocab, **TEXT,
-                                                                                 intermediate_size=96))
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            vocab_size=vocab, **{**TEXT, "intermediate_size": 96, **text}))
     with torch.no_grad():  # the zero-centred norms start at 0 and A_log / dt_bias at set values
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -149,10 +152,13 @@ def _merges(tokenizer) -> list[tuple[str, str]]:
 
 def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
                       drop: tuple[str, ...] = (), extra: dict[str, Any] | None = None,
-                      extra_tensors: dict[str, np.ndarray] | None = None, fuse_experts: bool = False) -> Path:
+                      extra_tensors: dict[str, np.ndarray] | None = None, fuse_experts: bool = False,
+                      mix: Callable[[str, int | None, int], Q | None] | None = None) -> Path:
     """The GGUF file of ``model``: F32 tensors, or F16 / ``qtype`` projections where their rows
     split into whole blocks; ``drop``: tensors left out; ``extra``: metadata over the derived
-    (None: left out); ``extra_tensors``: more F32 tensors, written last."""
+    (None: left out); ``extra_tensors``: more F32 tensors, written last. ``mix``: each projection's
+    type from its kind (``attn_v``), layer (None: a global tensor) and columns instead of
+    ``qtype`` (None: F32; K-quants encoded by ``support.k_quants``)."""
     cfg = model.config
     arch = "qwen35moe" if getattr(cfg, "num_experts", 0) else "qwen35"
     meta = {**metadata(model, tokenizer), **(extra or {})}
@@ -162,7 +168,16 @@ def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
             continue
         array = t.numpy()
         kind = name.rpartition(".")[0].rpartition(".")[2] if name.startswith("blk.") else name.rpartition(".")[0]
-        if qtype is not None and kind in PROJECTIONS and array.ndim == 2 and array.shape[1] % 32 == 0:
+        if mix is not None and kind in PROJECTIONS and array.ndim == 2:
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+            chosen = mix(kind, layer, array.shape[1])
+            if chosen in K_QUANTS:
+                tensors.append((name, encode(array, chosen), chosen))
+            elif chosen is not None:
+                tensors.append((name, quantize(array, chosen), chosen))
+            else:
+                tensors.append((name, array, None))
+        elif qtype is not None and kind in PROJECTIONS and array.ndim == 2 and array.shape[1] % 32 == 0:
             if qtype == Q.F16:
                 tensors.append((name, array.astype(np.float16), None))
             else:
