@@ -5,7 +5,9 @@ Decode is memory bound: a 4-bit weight is a quarter of the bytes of a bf16 one. 
 (``pack_int4``) holds two values a byte, the even column in the low nibble; scales and offsets
 are fp16 ``[N, K / G]`` (GGUF's Q4_0 / Q4_1 / Q4_K, GPTQ and AWQ all come to this: an offset
 of ``-scale * zero`` where they keep a zero point). Each program owns ``BLOCK_N`` weight rows,
-walks K in ``BLOCK_K`` chunks (a divisor of the group: one scale per row per chunk), unpacks a
+walks K in ``BLOCK_K`` chunks (a divisor of the group: one scale per row per chunk; for groups
+under 32 columns, as GGUF Q6_K's 16, a multiple of the group that divides K, with a scale per
+column pair: ``chunk_columns``), unpacks a
 chunk of bytes into its two nibbles and multiplies them with the even and odd columns of every
 input row (loaded as one vector and split) (``M`` a compile-time constant, padded to a power of two), so the packed
 weight is read from memory once for all rows; accumulation is fp32, the result cast once. The
@@ -30,7 +32,8 @@ DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                       G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_OFFSET: tl.constexpr, BITS: tl.constexpr):
-    # BLOCK_K divides the group G: one scale (and offset) per weight row per chunk
+    # BLOCK_K divides the group G (one scale and offset per weight row per chunk), or is a multiple
+    # of it dividing K (one per column pair: G is even)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -48,11 +51,15 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
         else:  # one int8 a byte: the even and odd columns split as the input's are
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 + kk)[None, :]).to(tl.float32)
             q_lo, q_hi = tl.split(tl.reshape(b, (BLOCK_N, BLOCK_K // 2, 2)))
-        s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+        if BLOCK_K > G:
+            sg = rows_in[:, None] * stride_sn + ((k0 + 2 * j) // G)[None, :]
+        else:
+            sg = rows_in[:, None] * stride_sn + k0 // G
+        s = tl.load(s_ptr + sg).to(tl.float32)
         w_lo = q_lo * s
         w_hi = q_hi * s
         if HAS_OFFSET:
-            o = tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+            o = tl.load(o_ptr + sg).to(tl.float32)
             w_lo += o
             w_hi += o
         x = tl.load(x_ptr + m_in[:, None] * stride_xm + (k0 + kk)[None, :]).to(tl.float32)
@@ -61,6 +68,21 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
     y = tl.sum(acc, 2)
     out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & rmask[None, :])
+
+
+ONE_GROUP_CHUNKS = 32  # groups of at least this many columns run one group (or part of one) a chunk
+
+
+def chunk_columns(block_k: int, group: int, k: int) -> int:
+    """The columns a chunk takes: ``block_k`` (a power of two), capped at the group for groups of
+    ``ONE_GROUP_CHUNKS`` columns or more (a chunk within one group, one scale a row); smaller groups
+    (Q6_K's 16, whose one-group chunks would be 8 bytes a row) take ``block_k`` halved until it
+    divides ``k``, not below the group (a chunk of whole groups, none past the end)."""
+    if group >= min(block_k, ONE_GROUP_CHUNKS):
+        return min(block_k, group)
+    while block_k > group and k % block_k:
+        block_k //= 2
+    return max(block_k, group)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -92,9 +114,10 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return y
     t = dict(DEFAULT_TILES, **(tiles or {}))
-    t["BLOCK_K"] = min(t["BLOCK_K"], group)  # a chunk never spans two groups
-    if group % t["BLOCK_K"]:
-        raise ValueError(f"int4 gemv: BLOCK_K {t['BLOCK_K']} does not divide the group of {group}")
+    t["BLOCK_K"] = chunk_columns(t["BLOCK_K"], group, k)
+    if group % t["BLOCK_K"] and (t["BLOCK_K"] % group or k % t["BLOCK_K"]):
+        raise ValueError(f"int4 gemv: BLOCK_K {t['BLOCK_K']} neither divides the group of {group} nor is a "
+                         f"multiple of it dividing K {k}")
     _int4_gemv_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"],
@@ -111,7 +134,11 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
     rmask = rows < N
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
     kk = k0 + tl.arange(0, BLOCK_K)
-    s = tl.load(s_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+    if BLOCK_K > G:  # chunks of several groups: a scale per column
+        sg = rows_in[:, None] * stride_sn + (kk // G)[None, :]
+    else:
+        sg = rows_in[:, None] * stride_sn + k0 // G
+    s = tl.load(s_ptr + sg).to(tl.float32)
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
         b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
@@ -120,7 +147,7 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
         w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
     w = w * s
     if HAS_OFFSET:
-        w += tl.load(o_ptr + rows_in * stride_sn + k0 // G).to(tl.float32)[:, None]
+        w += tl.load(o_ptr + sg).to(tl.float32)
     tl.store(w_ptr + rows_in[:, None] * stride_wn + kk[None, :], w.to(w_ptr.dtype.element_ty),
              mask=rmask[:, None])
 
@@ -136,7 +163,7 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
                          f"{group} do not make {tuple(out.shape)}")
     if n == 0:
         return out
-    bk = min(128, group)
+    bk = chunk_columns(128, group, k)
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
         out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)

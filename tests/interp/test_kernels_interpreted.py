@@ -261,6 +261,28 @@ def test_int8_gemv(m, n, k, group, with_offset):
     check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, None, 1e-5, bits=8)
 
 
+@pytest.mark.parametrize("m, n, k, tiles", [
+    (1, 37, 384, None),  # chunks of 128 columns, eight groups: a scale per column pair
+    (3, 16, 272, {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 2}),  # 17 groups: chunks of one group
+    (2, 9, 96, {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 2}),  # chunks of 32 columns (64 does not divide K)
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_groups_of_16(m, n, k, tiles, with_offset, bits):
+    """Groups smaller than a chunk (GGUF Q6_K's 16, held as int8): chunks of whole groups."""
+    from ninfer.engine.layers.quant_gemv_triton import chunk_columns
+
+    assert [chunk_columns(128, 16, k) for k in (384, 272, 96)] == [128, 16, 32]
+    assert chunk_columns(128, 32, 384) == 32 and chunk_columns(8, 16, 384) == 8  # one group (or part) a chunk
+    check_int4_gemv("cpu", torch.float32, m, n, k, 16, with_offset, tiles, 1e-5, bits=bits)
+
+
+@pytest.mark.parametrize("n, k", [(37, 384), (16, 272)])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int8_dequantize_groups_of_16(n, k, with_offset):
+    check_int4_gemv("cpu", torch.float32, 1, n, k, 16, with_offset, None, 1e-6, kernel="dequantize", bits=8)
+
+
 @pytest.mark.parametrize("rows", [3, 40])  # decode rows: the GEMV; prompt rows: dequantized blocks, then a GEMM
 def test_int4_triton_method_fused_projections(rows, monkeypatch):
     """Three projections of one input held 4-bit for the Triton kernels, fused into one method
@@ -287,6 +309,29 @@ def test_int4_triton_method_fused_projections(rows, monkeypatch):
     assert rel_err(fused(x), want) < 1e-5
     for lin, w in zip(parts, dense):
         assert rel_err(lin(x), x @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_k_quant_weights_through_the_triton_method(rows, monkeypatch):
+    """GGUF Q6_K (symmetric int8 in groups of 16) and Q5_K (int8 0..31 in groups of 32 with
+    offsets) weights as read from random blocks, held for the Triton kernels: decode rows (the
+    GEMV) and prompt rows (dequantized blocks, then a GEMM) give the dequantized weight's product."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ninfer.engine.layers import linear
+    from ninfer.engine.loader.gguf_quant import _SUPER_BLOCK_READERS
+    from support.k_quants import random_blocks
+
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 512)  # several row blocks per product
+    for qtype in (Q.Q6_K, Q.Q5_K):
+        w = _SUPER_BLOCK_READERS[qtype](random_blocks(qtype, 48, 512, seed=7), 48, 512)
+        method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+        assert method.bits == 8 and method.group == w.group
+        # the method reads fp16 scales and offsets: its reference is the weight from them
+        ref = linear.GroupQuantized(w.q, w.scale.half().float(), None if w.offset is None else
+                                    w.offset.half().float(), w.group, 8, w.kind).dequantize()
+        x = torch.randn(rows, 512)
+        assert rel_err(method(x), x @ ref.T) < 1e-5
 
 
 def test_fused_gdn_step_runs_verify_rows_in_waves(tmp_path_factory):
