@@ -12,9 +12,9 @@ from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 # fla-core's chunked Gated DeltaNet keeps one [K, V] state per head for every chunk of this many tokens
 GDN_CHUNK = 64
 # how weights are held (``loader.load_model``): "auto" as the checkpoint stores them, a GGUF
-# file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices and GPTQ / AWQ projections kept quantized where a
-# linear method takes them (``layers/linear.py``: on the CPU 4 and 8-bit groups, on the GPU 4-bit
-# ones), every other tensor (FP8 ones dequantized) in ``dtype``; "dense" every tensor dequantized
+# file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 matrices and GPTQ / AWQ projections kept quantized where a
+# linear method takes them (``layers/linear.py``: 4 and 8-bit groups, on the CPU
+# and the GPU), every other tensor (FP8 ones dequantized) in ``dtype``; "dense" every tensor dequantized
 # to ``dtype``; "int8" / "int4" the projections quantized at load (per-row int8, int4 in groups of
 # 128; int8 on the CPU only)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
-                   help="how weights are held: auto (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices and GPTQ / AWQ "
-                        "projections kept quantized where a method takes them: on the CPU, 4-bit ones on the GPU; "
+                   help="how weights are held: auto (a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices and GPTQ / AWQ "
+                        "projections kept quantized where a method takes them, on the CPU and the GPU; "
                         "the rest, FP8 ones dequantized, in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
     p.add_argument("--kv-dtype", default="auto", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "}",

@@ -4,7 +4,7 @@
 Decode is memory bound: a 4-bit weight is a quarter of the bytes of a bf16 one. The packed form
 (``pack_int4``) holds two values a byte, the even column in the low nibble; scales and offsets
 are fp16 ``[N, K / G]`` (GGUF's Q4_0 / Q4_1 / Q4_K, GPTQ and AWQ all come to this: an offset
-of ``-scale * zero`` where they keep a zero point). Each program owns ``BLOCK_N`` weight rows,
+of ``-scale * zero`` where they keep a zero point; GGUF's Q8_0, Q5_K and Q6_K to 8-bit groups). Each program owns ``BLOCK_N`` weight rows,
 walks K in ``BLOCK_K`` chunks (a divisor of the group: one scale per row per chunk; for groups
 under 32 columns, as GGUF Q6_K's 16, a multiple of the group that divides K, with a scale per
 column pair: ``chunk_columns``), unpacks a

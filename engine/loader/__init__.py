@@ -45,7 +45,7 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
                weights: str = "auto", mtp: bool = False) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
-    (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0, GPTQ / AWQ
+    (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0, GPTQ / AWQ
     projections) stay quantized where a linear method on ``device`` takes them
     (``placed_quantized``); "int8" / "int4" quantize the projections at load
     (``quantized_at_load``). ``mtp``: with the checkpoint's MTP head (``models/mtp.py``, for

@@ -53,7 +53,7 @@ class Checkpoint:
     # a GGUF's pooling_type), else "mean"
     pooling: str = "mean"
     # the same tensors with those of formats the linear methods keep quantized as ``GroupQuantized``
-    # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices, GPTQ / AWQ projections whose groups are
+    # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 matrices, GPTQ / AWQ projections whose groups are
     # runs of consecutive columns); None when the checkpoint has none
     quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
     # the MTP head's tensors (``mtp.*``, loaded by ``load_model(..., mtp=True)`` for ``--spec mtp``);

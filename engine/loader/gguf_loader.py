@@ -9,7 +9,7 @@ in reverse order, and llama.cpp's converter reorders the rows of ``attn_q`` / ``
 each head from HF's rotate-half layout to interleaved pairs; both are undone here, so the model
 sees exactly what a Hugging Face checkpoint would give it.
 
-``Checkpoint.quantized_weights()`` gives the same tensors with the Q4_0, Q4_1, Q4_K and Q8_0 matrices
+``Checkpoint.quantized_weights()`` gives the same tensors with the Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and Q8_0 matrices
 kept quantized (``gguf_quant.py``) where the CPU's int4 matmul takes their shape, for the layers'
 linear methods (``layers/linear.py``); the others are dequantised as above.
 """
