@@ -34,13 +34,18 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
 
 
 KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
+KV4_GROUP = 32  # 4-bit KV elements (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
 
 
-def kv_bytes_per_token(shape: ModelShape, elt: int, attention_layers: int | None = None) -> int:
+def kv_bytes_per_token(shape: ModelShape, elt: float, attention_layers: int | None = None) -> int:
     """K and V of one token in every attention layer, ``elt`` bytes per element (1: fp8 / int8,
-    with their scales)."""
+    0.5: 4bit, with their scales)."""
     layers = shape.n_attention if attention_layers is None else attention_layers
-    row = shape.config.head_dim * elt + (KV_SCALE_BYTES if elt == 1 else 0)
+    d = shape.config.head_dim
+    if elt == 0.5:
+        row = d // 2 + KV_SCALE_BYTES * (d // min(KV4_GROUP, d))
+    else:
+        row = d * int(elt) + (KV_SCALE_BYTES if elt == 1 else 0)
     return 2 * layers * shape.config.num_key_value_heads * row
 
 
@@ -65,7 +70,7 @@ class Settings:
     elt: int  # bytes of the compute dtype (and of the KV cache's elements, unless kv_elt says)
     cuda: bool
     page_size: int = 16
-    kv_elt: int | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8 (None: elt)
+    kv_elt: float | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8, 0.5 for 4bit (None: elt)
 
     @property
     def kv_tokens(self) -> int:

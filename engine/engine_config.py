@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv_quant import KV_DTYPES, REFUSED_KV_DTYPES, storage_dtype
+from .cache.kv_quant import KV4_GROUP, KV_DTYPES, page_shapes, storage_dtype
 from .config import ModelConfig
 from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 
@@ -62,12 +62,11 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
-    # (e4m3) / "int8" with an fp32 scale per token and KV head (``cache/kv_quant.py``)
+    # (e4m3) / "int8" with an fp32 scale per token and KV head, "4bit" two elements per byte with
+    # an fp32 scale per 32 elements of the head dim (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_dtype in REFUSED_KV_DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r}: {REFUSED_KV_DTYPES[self.kv_dtype]}")
         checks = [
             ("max_context", self.max_context >= 16, "must be >= 16"),
             ("max_concurrency", 1 <= self.max_concurrency <= 64, "must be between 1 and 64"),
@@ -111,6 +110,13 @@ class EngineConfig:
             raise ValueError(f"spec {self.spec!r} is not available for {model.family} yet: its Gated DeltaNet "
                              "layers keep a recurrent state that a rejected draft cannot be truncated from (the "
                              "per-position states of a verify step are a later part); serve it with --spec off")
+        if model.head_dim and self.kv_dtype != "auto":
+            try:
+                page_shapes(model.head_dim, self.kv_storage_dtype)
+            except ValueError:
+                raise ValueError(f"kv_dtype {self.kv_dtype!r} needs a head_dim that is even and a multiple of "
+                                 f"{KV4_GROUP} (or below it); this model's is {model.head_dim}: use int8 or fp8"
+                                 ) from None
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):
