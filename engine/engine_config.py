@@ -22,6 +22,8 @@ QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
 # speculative decoding (``spec.py``): "off", or "ngram": drafts copied from where the sequence's
 # last tokens occurred before (prompt lookup), verified by the model in the next step
 SPEC_MODES = ("off", "ngram")
+# the Gated DeltaNet recurrent state's element type in its slots (``--state-dtype``)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DRAFT_TOKENS = 8
 MAX_NGRAM = 8
 
@@ -65,6 +67,10 @@ class EngineConfig:
     # (e4m3) / "int8" with an fp32 scale per token and KV head, "4bit" two elements per byte with
     # an fp32 scale per 32 elements of the head dim (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
+    # the Gated DeltaNet recurrent state's element type in its slots, one of STATE_DTYPES: updated
+    # in fp32 by the layers either way, stored rounded to it once per step (bf16 / fp16 halve the
+    # slots' and the prefix checkpoints' bytes)
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         checks = [
@@ -88,6 +94,7 @@ class EngineConfig:
             ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
+            ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {', '.join(STATE_DTYPES)}"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -97,6 +104,11 @@ class EngineConfig:
     def kv_storage_dtype(self) -> torch.dtype:
         """The KV pages' torch dtype (``kv_dtype`` resolved against ``dtype``)."""
         return storage_dtype(self.kv_dtype, self.dtype)
+
+    @property
+    def state_storage_dtype(self) -> torch.dtype:
+        """The recurrent state slots' torch dtype."""
+        return STATE_DTYPES[self.state_dtype]
 
     @property
     def step_tokens(self) -> int:

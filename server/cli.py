@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..engine.cache.kv_quant import KV_DTYPES
-from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, WEIGHT_FORMATS
+from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, STATE_DTYPES, WEIGHT_FORMATS
 from .workers import DEFAULT_THREADS
 
 log = logging.getLogger("ninfer.server")
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with an fp32 scale per token and KV head, about half bf16's memory, so more tokens fit; "
                         "4bit: two elements per byte with an fp32 scale per 32 of the head dim, about 3.2x "
                         "bf16's tokens")
+    p.add_argument("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
+                   help="element type of the Gated DeltaNet recurrent state in its slots (hybrid models): fp32, "
+                        "or bf16 / fp16 at half the bytes (updated in fp32, rounded once per step where stored)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")
     p.add_argument("--max-batched-tokens", type=int, default=None,
