@@ -57,7 +57,7 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def load_kv4(ptr, s_ptr, rows, offs_d, mask, D: tl.constexpr, GS: tl.constexpr, MASKED: tl.constexpr):
     """A tile ``[len(rows), D]`` of 4-bit pages in fp32: element ``d`` of pool row ``r`` is nibble
-    ``d % 2`` of byte ``r * D / 2 + d / 2`` (code - 8) times scale ``r * D / GS + d / GS``; rows
+    ``d % 2`` of byte ``r * D / 2 + d / 2`` (code - 7.5) times scale ``r * D / GS + d / GS``; rows
     outside ``mask`` read as zeros when ``MASKED``."""
     byte_at = ptr + rows[:, None] * (D // 2) + offs_d[None, :] // 2
     scale_at = s_ptr + rows[:, None] * (D // GS) + offs_d[None, :] // GS
@@ -68,7 +68,7 @@ def load_kv4(ptr, s_ptr, rows, offs_d, mask, D: tl.constexpr, GS: tl.constexpr, 
         byte = tl.load(byte_at)
         scale = tl.load(scale_at)
     code = (byte.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 15
-    return (code - 8).to(tl.float32) * scale
+    return (code.to(tl.float32) - 7.5) * scale
 
 
 # integers that move from step to step (block-table width, splits, gate strides) are not
