@@ -31,9 +31,9 @@ measured on the embedded SmolLM2 (``D = 64``, ``bench/RESULTS.md``): groups of 3
 scale per row (64): +11.7% perplexity against +15.1%, for 4 bytes per 32 elements (an eighth of
 a byte per element: a row of ``D = 256`` is 128 + 32 bytes against bf16's 512, 3.2x the
 tokens); the 16 midpoints over a grid of 15 levels with a zero (``-7 .. 7``): keys and values
-+8.7% against +13.6% (keys alone +7.7% against +9.5%). Keys are rotated as for one-byte pages (without it 4-bit keys cost about
-three times as much); values are not (rotating them did not help on a
-1024-token sample).
++8.7% against +13.6% (keys alone +7.7% against +9.5%). Keys are rotated as for one-byte pages
+(without it 4-bit keys cost about three times as much); values are not (rotating them did not
+help on a 1024-token sample).
 """
 from __future__ import annotations
 
