@@ -34,25 +34,31 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
 
 
 KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
+KV4_GROUP = 32  # 4-bit KV elements (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
 
 
-def kv_bytes_per_token(shape: ModelShape, elt: int, attention_layers: int | None = None) -> int:
+def kv_bytes_per_token(shape: ModelShape, elt: float, attention_layers: int | None = None) -> int:
     """K and V of one token in every attention layer, ``elt`` bytes per element (1: fp8 / int8,
-    with their scales)."""
+    0.5: 4bit, with their scales)."""
     layers = shape.n_attention if attention_layers is None else attention_layers
-    row = shape.config.head_dim * elt + (KV_SCALE_BYTES if elt == 1 else 0)
+    d = shape.config.head_dim
+    if elt == 0.5:
+        row = d // 2 + KV_SCALE_BYTES * (d // min(KV4_GROUP, d))
+    else:
+        row = d * int(elt) + (KV_SCALE_BYTES if elt == 1 else 0)
     return 2 * layers * shape.config.num_key_value_heads * row
 
 
-def state_bytes_per_lane(shape: ModelShape, elt: int) -> int:
-    """Conv state (compute dtype) + recurrent state (fp32) of every GDN layer for one sequence."""
+def state_bytes_per_lane(shape: ModelShape, elt: int, state_elt: int = 4) -> int:
+    """Conv state (compute dtype) + recurrent state (``state_elt`` bytes: 4 fp32, 2 for
+    ``--state-dtype`` bf16 / fp16) of every GDN layer for one sequence."""
     c = shape.config
     if not shape.n_gdn:
         return 0
     key_dim = c.linear_num_key_heads * c.linear_key_head_dim
     conv = (c.linear_conv_kernel_dim - 1) * (2 * key_dim + c.linear_num_value_heads * c.linear_value_head_dim)
     recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-    return shape.n_gdn * (conv * elt + recurrent * 4)
+    return shape.n_gdn * (conv * elt + recurrent * state_elt)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,8 @@ class Settings:
     elt: int  # bytes of the compute dtype (and of the KV cache's elements, unless kv_elt says)
     cuda: bool
     page_size: int = 16
-    kv_elt: int | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8 (None: elt)
+    kv_elt: float | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8, 0.5 for 4bit (None: elt)
+    state_elt: int = 4  # bytes of a GDN recurrent state element: 2 for --state-dtype bf16 / fp16
 
     @property
     def kv_tokens(self) -> int:
@@ -91,7 +98,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         "kv_pool": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt),
         "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt, shape.mtp_layers) if mtp else 0,
         # one state per lane, plus one per draft position so that a rejected draft needs no replay
-        "states": s.lanes * (1 + s.drafts) * state_bytes_per_lane(shape, s.elt),
+        "states": s.lanes * (1 + s.drafts) * state_bytes_per_lane(shape, s.elt, s.state_elt),
         "workspace": workspace,
         "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE if s.cuda else 0,
         "cuda_context": CUDA_CONTEXT if s.cuda else 0,

@@ -56,7 +56,7 @@ class LLMEngine:
         self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints),
-                                   config.kv_storage_dtype)
+                                   config.kv_storage_dtype, config.state_storage_dtype)
         # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         self.drafter = Drafter(config.draft_tokens, config.ngram_min, config.ngram_max) \

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv_quant import KV_DTYPES, REFUSED_KV_DTYPES, storage_dtype
+from .cache.kv_quant import KV4_GROUP, KV_DTYPES, page_shapes, storage_dtype
 from .config import ModelConfig
 from .layers.fused_linear import MAX_TENSOR_ELEMENTS
 
@@ -23,6 +23,8 @@ QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
 # last tokens occurred before (prompt lookup); "mtp": drafts from the checkpoint's MTP head
 # (``models/mtp.py``); either verified by the model in the next step
 SPEC_MODES = ("off", "ngram", "mtp")
+# the Gated DeltaNet recurrent state's element type in its slots (``--state-dtype``)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DRAFT_TOKENS = 8
 MAX_MTP_DRAFT_TOKENS = 5
 MAX_NGRAM = 8
@@ -64,12 +66,15 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
-    # (e4m3) / "int8" with an fp32 scale per token and KV head (``cache/kv_quant.py``)
+    # (e4m3) / "int8" with an fp32 scale per token and KV head, "4bit" two elements per byte with
+    # an fp32 scale per 32 elements of the head dim (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
+    # the Gated DeltaNet recurrent state's element type in its slots, one of STATE_DTYPES: updated
+    # in fp32 by the layers either way, stored rounded to it once per step (bf16 / fp16 halve the
+    # slots' and the prefix checkpoints' bytes)
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.kv_dtype in REFUSED_KV_DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r}: {REFUSED_KV_DTYPES[self.kv_dtype]}")
         checks = [
             ("max_context", self.max_context >= 16, "must be >= 16"),
             ("max_concurrency", 1 <= self.max_concurrency <= 64, "must be between 1 and 64"),
@@ -93,6 +98,7 @@ class EngineConfig:
             ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
+            ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {', '.join(STATE_DTYPES)}"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -102,6 +108,11 @@ class EngineConfig:
     def kv_storage_dtype(self) -> torch.dtype:
         """The KV pages' torch dtype (``kv_dtype`` resolved against ``dtype``)."""
         return storage_dtype(self.kv_dtype, self.dtype)
+
+    @property
+    def state_storage_dtype(self) -> torch.dtype:
+        """The recurrent state slots' torch dtype."""
+        return STATE_DTYPES[self.state_dtype]
 
     @property
     def step_tokens(self) -> int:
@@ -115,6 +126,13 @@ class EngineConfig:
             raise ValueError(f"spec 'mtp' needs the checkpoint's MTP head (mtp.* weights, mtp_num_hidden_layers), "
                              f"which this {model.family} model does not have (or was loaded without): "
                              "serve it with --spec ngram or off")
+        if model.head_dim and self.kv_dtype != "auto":
+            try:
+                page_shapes(model.head_dim, self.kv_storage_dtype)
+            except ValueError:
+                raise ValueError(f"kv_dtype {self.kv_dtype!r} needs a head_dim that is even and a multiple of "
+                                 f"{KV4_GROUP} (or below it); this model's is {model.head_dim}: use int8 or fp8"
+                                 ) from None
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

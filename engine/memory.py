@@ -43,7 +43,7 @@ def _slot_bytes(model: ModelConfig, config: EngineConfig) -> int:
     if not model.is_hybrid:
         return 0
     n_gdn = sum(t == "linear_attention" for t in model.layer_types)
-    return StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype)
+    return StateSlotPool.bytes_per_slot(n_gdn, *state_shapes(model), config.dtype, config.state_storage_dtype)
 
 
 def moving_slots(config: EngineConfig, checkpoints: int) -> int:

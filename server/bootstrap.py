@@ -162,6 +162,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         kv_dtype=args.kv_dtype,
+        state_dtype=args.state_dtype,
     )
 
 

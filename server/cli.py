@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.cache.kv_quant import KV_DTYPES, REFUSED_KV_DTYPES
-from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, WEIGHT_FORMATS
+from ..engine.cache.kv_quant import KV_DTYPES
+from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, STATE_DTYPES, WEIGHT_FORMATS
 from .workers import DEFAULT_THREADS
 
 log = logging.getLogger("ninfer.server")
@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
     p.add_argument("--kv-dtype", default="auto", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "}",
                    help="KV cache element type: auto (--dtype), bf16, or fp8 (e4m3) / int8: one byte per element "
-                        "with an fp32 scale per token and KV head, about half bf16's memory, so more tokens fit")
+                        "with an fp32 scale per token and KV head, about half bf16's memory, so more tokens fit; "
+                        "4bit: two elements per byte with an fp32 scale per 32 of the head dim, about 3.2x "
+                        "bf16's tokens")
+    p.add_argument("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
+                   help="element type of the Gated DeltaNet recurrent state in its slots (hybrid models): fp32, "
+                        "or bf16 / fp16 at half the bytes (updated in fp32, rounded once per step where stored)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")
     p.add_argument("--max-batched-tokens", type=int, default=None,
@@ -143,8 +148,6 @@ def _host_cache(value: str) -> str:
 
 
 def _kv_dtype(value: str) -> str:
-    if value in REFUSED_KV_DTYPES:
-        raise argparse.ArgumentTypeError(REFUSED_KV_DTYPES[value])
     if value not in KV_DTYPES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_DTYPES)}, got {value!r}")
     return value

@@ -9,13 +9,15 @@ counts its holders and goes back to the free list when the last one releases it.
 With a one-byte element type (``--kv-dtype fp8`` / ``int8``, ``kv_quant.py``) each (token, KV
 head) row has an fp32 scale in ``k_scales[a]`` / ``v_scales[a]`` ``[num_pages, P, Hkv]``, at the
 row's own index; ``tensors`` lists every tensor indexed by page on its dim 1, which is what a
-copy of pages (``copy_page``, the host tier) copies.
+copy of pages (``copy_page``, the host tier) copies. 4-bit pages (``--kv-dtype 4bit``) are
+``[num_pages, page_size, Hkv, D / 2]`` bytes with a scale per group of the head dim,
+``[num_pages, P, Hkv, D / 32]``.
 """
 from __future__ import annotations
 
 import torch
 
-from .kv_quant import SCALE_DTYPE, is_quantized
+from .kv_quant import SCALE_DTYPE, page_shapes
 
 
 class OutOfPagesError(RuntimeError):
@@ -34,22 +36,24 @@ class PagedKVPool:
             raise ValueError(f"KV pool needs >= 1 page of >= 1 token, got {num_pages} x {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_attn_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        rows = (num_attn_layers, num_pages, page_size, num_kv_heads)
+        elements, scales = page_shapes(head_dim, dtype)
+        self.keys = torch.zeros(rows + elements, dtype=dtype, device=device)
+        self.values = torch.zeros(rows + elements, dtype=dtype, device=device)
         self.k_scales = self.v_scales = None
-        if is_quantized(dtype):
-            self.k_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            self.v_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        if scales is not None:
+            self.k_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
+            self.v_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders = [0] * num_pages
 
     @staticmethod
     def bytes_per_page(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-        row = head_dim * torch.empty((), dtype=dtype).element_size()
-        if is_quantized(dtype):
-            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+        elements, scales = page_shapes(head_dim, dtype)
+        row = elements[0] * torch.empty((), dtype=dtype).element_size()
+        if scales is not None:
+            row += (scales[0] if scales else 1) * torch.empty((), dtype=SCALE_DTYPE).element_size()
         return 2 * num_attn_layers * page_size * num_kv_heads * row
 
     @property

@@ -22,18 +22,20 @@ from .state_pool import StateSlotPool
 class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
-                 checkpoints: int = 0, moving_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 checkpoints: int = 0, moving_slots: int = 0, kv_dtype: torch.dtype | None = None,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         """``num_slots`` state slots for sequences, ``checkpoints`` more for prefix checkpoints
         (at most that many are kept; ``prefix`` is None without any) and ``moving_slots`` more for
         checkpoints' copies to host in flight. KV pages hold ``kv_dtype`` (``dtype`` when None;
-        fp8 / int8 with per-row scales, ``kv_quant.py``); the states ``dtype``."""
+        fp8 / int8 with per-row scales, 4-bit with per-group ones, ``kv_quant.py``); the conv states
+        ``dtype``, the recurrent states ``state_dtype``."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
                               config.head_dim, kv_dtype or dtype, device) if self.attn_ordinal else None
         self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints + moving_slots,
-                                    *state_shapes(config), dtype, device) if self.gdn_ordinal else None
+                                    *state_shapes(config), dtype, device, state_dtype) if self.gdn_ordinal else None
         self.host_cache_bytes = host_cache_bytes  # for snapshots and host checkpoints together
         self.host_bytes_used = 0  # the snapshots'
         self.host = HostTier(self.kv, self.states, host_cache_bytes, torch.device(device)) \

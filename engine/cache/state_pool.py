@@ -1,7 +1,9 @@
 """Fixed slots for the Gated DeltaNet layers' state, allocated once at startup.
 
 Slot ``s`` of GDN layer ordinal ``g``: ``conv[g, s]`` ``[kernel - 1, conv_dim]`` (raw pre-conv qkv
-of the last tokens) and ``recurrent[g, s]`` ``[Hv, K, V]`` in fp32. A running hybrid sequence
+of the last tokens) and ``recurrent[g, s]`` ``[Hv, K, V]`` in ``state_dtype`` (``--state-dtype``:
+fp32 by default; bf16 / fp16 halve it, the layers update it in fp32 and round it once per step
+where they store it). A running hybrid sequence
 holds exactly one slot; a slot is zeroed when handed out.
 """
 from __future__ import annotations
@@ -15,11 +17,12 @@ class OutOfSlotsError(RuntimeError):
 
 class StateSlotPool:
     def __init__(self, num_gdn_layers: int, num_slots: int, conv_shape: tuple[int, int],
-                 recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str) -> None:
+                 recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         self.num_slots = num_slots
         self.num_gdn_layers = num_gdn_layers
         self.conv = torch.zeros((num_gdn_layers, num_slots, *conv_shape), dtype=dtype, device=device)
-        self.recurrent = torch.zeros((num_gdn_layers, num_slots, *recurrent_shape), dtype=torch.float32,
+        self.recurrent = torch.zeros((num_gdn_layers, num_slots, *recurrent_shape), dtype=state_dtype,
                                      device=device)
         # per slot and value head: arrivals of the fused GDN decode step's programs, by which the
         # last reader of a key head's conv state knows it may shift it (gdn_decode_triton.py)
@@ -28,9 +31,10 @@ class StateSlotPool:
 
     @staticmethod
     def bytes_per_slot(num_gdn_layers: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
-                       dtype: torch.dtype) -> int:
+                       dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
         conv = conv_shape[0] * conv_shape[1] * torch.empty((), dtype=dtype).element_size()
-        rec = recurrent_shape[0] * recurrent_shape[1] * recurrent_shape[2] * 4
+        rec = recurrent_shape[0] * recurrent_shape[1] * recurrent_shape[2] * \
+            torch.empty((), dtype=state_dtype).element_size()
         return num_gdn_layers * (conv + rec)
 
     @property

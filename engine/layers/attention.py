@@ -5,8 +5,8 @@ gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * 
 Projections, norms and RoPE run on the whole flat token run. In an engine step (``batch.step``)
 the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
 reference path it runs per sequence against that sequence's cache. The pages may hold one byte
-per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``,
-``cache/kv_quant.py``): keys and queries rotated, K/V written quantized, read dequantized inside
+per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``) or two per
+byte with a scale per group of 32 (``4bit``, ``cache/kv_quant.py``): keys and queries rotated, K/V written quantized, read dequantized inside
 the attention.
 """
 from __future__ import annotations
@@ -173,15 +173,15 @@ class Attention(NormFusedInput, nn.Module):
         else:  # the torch path; one-byte pages take it on the GPU too, for the keys' rotation
             q, k, v, gate = self._prepare(q, k, v, positions)
             hkv, hd = self.num_kv_heads, self.head_dim
-            if k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and a scale per row
+            if k_scale is not None:  # quantized pages: rotated keys (``kv_quant.rotation``), bytes and scales
                 h = rotation(hd, q.device, torch.float32)
                 if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype
                     q, k = torch.matmul(q.float(), h).to(q.dtype), torch.matmul(k.float(), h)
                 (k, ks), (v, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
-                k_scale.view(-1, hkv).index_copy_(0, meta.write_index, ks)
-                v_scale.view(-1, hkv).index_copy_(0, meta.write_index, vs)
+                k_scale.flatten(0, 1).index_copy_(0, meta.write_index, ks)  # a scale per row (per group: 4-bit)
+                v_scale.flatten(0, 1).index_copy_(0, meta.write_index, vs)
             for pages, x in ((k_pages, k), (v_pages, v)):  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
-                rows = raw_bytes(pages).view(-1, hkv, hd)
+                rows = raw_bytes(pages).view(-1, hkv, pages.shape[-1])
                 rows.index_copy_(0, meta.write_index, raw_bytes(x.to(pages.dtype)))
         d, prompt = meta.num_decode, meta.prompt
         parts = []

@@ -282,7 +282,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         q, k, v = self._conv_split(mixed, t)
         o, final = varlen_gated_delta_rule(q, k, v, g, beta, rec_pool.index_select(0, slots),
                                            prompt.cu_seqlens_long, prompt.cu_seqlens_host)
-        rec_pool.index_copy_(0, slots, final)
+        rec_pool.index_copy_(0, slots, final.to(rec_pool.dtype))
         return o
 
     def _decode_fused(self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -313,7 +313,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         k = l2norm(k.reshape(b, self.num_k_heads, self.head_k_dim))
         v = v.reshape(b, self.num_v_heads, self.head_v_dim)
         o, state = recurrent_step_batched(q, k, v, g, beta, rec_pool.index_select(0, slots))
-        rec_pool.index_copy_(0, slots, state)
+        rec_pool.index_copy_(0, slots, state.to(rec_pool.dtype))
         return o
 
 

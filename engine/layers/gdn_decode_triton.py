@@ -86,7 +86,7 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     tv = _window(x_row, window, v_cols, C, W, W_PAD)
     # every other load of the step goes out now, with the windows, before anything waits on one
     s_ptr = state_ptr + (slot * HV + hv) * K * V + kk[:, None] * V + vv[None, :]
-    s = tl.load(s_ptr)
+    s = tl.load(s_ptr).to(tl.float32)  # held in fp32, bf16 or fp16 (--state-dtype), updated in fp32
     x = tl.load(a_ptr + bi * stride_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
     alog = tl.load(alog_ptr + hv).to(tl.float32)
     b = tl.load(b_ptr + bi * stride_b + hv).to(tl.float32)
@@ -104,7 +104,7 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     s = s * tl.exp(g)
     delta = beta * (v - tl.sum(s * k[:, None], 0))
     s = s + k[:, None] * delta[None, :]
-    tl.store(s_ptr, s)
+    tl.store(s_ptr, s.to(state_ptr.dtype.element_ty))
     o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty)  # rounded like the step's output
     out_row = out_ptr + bi * HV * V
     tl.store(out_row + hv * V + vv, o)
@@ -140,13 +140,13 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
                            num_k_heads: int, block_v: int | None = None) -> torch.Tensor:
     """``qkv`` ``[B, C]`` pre-conv rows ([q | k | v]), ``z`` ``[B, HV*V]``, ``a``/``b`` ``[B, HV]``
     (views of one projection's output are fine); ``conv_pool`` ``[slots, W-1, C]`` and ``state_pool``
-    ``[slots, HV, K, V]`` fp32 updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``, whose
+    ``[slots, HV, K, V]`` (fp32, bf16 or fp16) updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``, whose
     launches must all use the same ``block_v`` (value columns per program, ``BLOCK_V`` when None,
     at most V). Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
     bsz, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
-    if state_pool.dtype != torch.float32 or not state_pool.is_contiguous() or dk & (dk - 1) or dv & (dv - 1):
+    if state_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not state_pool.is_contiguous() or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"gdn step: state pool {tuple(state_pool.shape)} {state_pool.dtype}")
     if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or conv_pool.dtype != qkv.dtype \
             or hv % num_k_heads or c != 2 * num_k_heads * dk + hv * dv:

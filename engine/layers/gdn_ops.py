@@ -176,7 +176,7 @@ def recurrent_step_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
         o, new_state = fused_recurrent_gated_delta_rule(
             q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g=g[:, None].float(),
-            beta=beta[:, None].float(), scale=scale, initial_state=state.contiguous(), output_final_state=True)
+            beta=beta[:, None].float(), scale=scale, initial_state=state.float().contiguous(), output_final_state=True)
         return o[:, 0], new_state
     qf = q.float().repeat_interleave(hv // hk, dim=1) * scale
     kf = k.float().repeat_interleave(hv // hk, dim=1)

@@ -4,20 +4,27 @@
 and to ``paged_decode_attention_ref`` elsewhere; the reference is what the kernel is tested against. Pages of one-byte elements (``--kv-dtype fp8``
 / ``int8``) come with ``k_scale`` / ``v_scale`` ``[num_pages, P, Hkv]``, one per row
 (``cache/kv_quant.py``): the references dequantize the gathered rows, the kernel folds the key
-scales into the scores and dequantizes the value tiles.
+scales into the scores and dequantizes the value tiles. 4-bit pages (``--kv-dtype 4bit``) are
+``[num_pages, P, Hkv, D / 2]`` bytes with scales ``[num_pages, P, Hkv, D / 32]``: every reader
+dequantizes their tiles.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..cache.kv_quant import dequantize
+from ..cache.kv_quant import dequantize, is_packed
+
+
+def page_width(k_pages: torch.Tensor, head_dim: int) -> int:
+    """The pages' last dim for rows of ``head_dim``: ``head_dim``, or half of it for 4-bit pages."""
+    return head_dim // 2 if is_packed(k_pages.dtype) else head_dim
 
 
 def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor) -> None:
     b, h, d = q.shape
-    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != d:
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != page_width(k_pages, d):
         raise ValueError(f"paged attention: q {tuple(q.shape)}, pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
     if h % k_pages.shape[2]:
         raise ValueError(f"paged attention: {h} query heads for {k_pages.shape[2]} KV heads")
@@ -30,9 +37,9 @@ def _gather(pages: torch.Tensor, scales: torch.Tensor | None, block_tables: torc
     """Each sequence's pages ``[B, M * P, Hkv, D]`` in ``dtype``, dequantized where ``scales`` are given."""
     bt = block_tables.long()
     b, m = bt.shape
-    _, p, hkv, d = pages.shape
+    _, p, hkv, _ = pages.shape
     rows = dequantize(pages[bt], None if scales is None else scales[bt], dtype)
-    return rows.reshape(b, m * p, hkv, d)
+    return rows.reshape(b, m * p, hkv, rows.shape[-1])
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -40,7 +47,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
                                scale: float, k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]``; pages ``[num_pages, P, Hkv, D]`` (with scales ``[num_pages, P, Hkv]``
-    when quantized); ``block_tables`` ``[B, M]``; ``context_lens`` ``[B]``. Query ``b`` attends to
+    when quantized; 4-bit: ``[..., D / 2]`` with scales ``[..., D / 32]``); ``block_tables`` ``[B, M]``; ``context_lens`` ``[B]``. Query ``b`` attends to
     its first ``context_lens[b]`` cached tokens."""
     _check(q, k_pages, v_pages, block_tables, context_lens)
     b, h, d = q.shape

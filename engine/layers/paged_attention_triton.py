@@ -11,7 +11,9 @@ and the pool's maximum pages per sequence, so a step can be captured in a CUDA g
 
 One-byte pages (``--kv-dtype fp8`` / ``int8``, ``QUANT``): a tile's keys are converted exactly to
 the query's dtype and their per-row scales multiply the scores; its values are dequantized
-(times their scales, in fp32, then to the query's dtype) before the weighted sum.
+(times their scales, in fp32, then to the query's dtype) before the weighted sum. 4-bit pages
+(``--kv-dtype 4bit``, ``PACKED``): each element of a K / V tile reads its byte and nibble and the
+scale of its group (``load_kv4``), and the tile is dequantized in fp32 before the dots.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import launch
+from ..cache.kv_quant import is_packed
 from .pdl import pdl_options, pdl_wait
 
 # Launch choices: ``launch.LaunchSettings``' attention_* fields, by (query heads, KV heads,
@@ -51,6 +54,23 @@ def _pool_rows(bt_row_ptr, t, ctx, kvh, HKV: tl.constexpr, P: tl.constexpr):
     return (page * P + t % P) * HKV + kvh
 
 
+@triton.jit
+def load_kv4(ptr, s_ptr, rows, offs_d, mask, D: tl.constexpr, GS: tl.constexpr, MASKED: tl.constexpr):
+    """A tile ``[len(rows), D]`` of 4-bit pages in fp32: element ``d`` of pool row ``r`` is nibble
+    ``d % 2`` of byte ``r * D / 2 + d / 2`` (code - 7.5) times scale ``r * D / GS + d / GS``; rows
+    outside ``mask`` read as zeros when ``MASKED``."""
+    byte_at = ptr + rows[:, None] * (D // 2) + offs_d[None, :] // 2
+    scale_at = s_ptr + rows[:, None] * (D // GS) + offs_d[None, :] // GS
+    if MASKED:
+        byte = tl.load(byte_at, mask=mask[:, None], other=0)
+        scale = tl.load(scale_at, mask=mask[:, None], other=0.0)
+    else:
+        byte = tl.load(byte_at)
+        scale = tl.load(scale_at)
+    code = (byte.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 15
+    return (code.to(tl.float32) - 7.5) * scale
+
+
 # integers that move from step to step (block-table width, splits, gate strides) are not
 # specialized on (== 1, % 16): each new value would compile a variant inside a user's request
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -58,7 +78,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, m_ptr,
                     stride_bt, num_splits,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PACKED: tl.constexpr, GS: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,8 +100,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, m_ptr,
         for off in range(start, stop, BLOCK_N):
             t = off + tl.arange(0, BLOCK_N)
             tmask = t < ctx
-            k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
-            v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
+            if PACKED:
+                k = load_kv4(k_ptr, ks_ptr, row, offs_d, tmask, D, GS, True)
+                v = load_kv4(v_ptr, vs_ptr, row, offs_d, tmask, D, GS, True)
+            else:
+                k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
+                v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
             if QUANT:
                 ks = tl.load(ks_ptr + row, mask=tmask, other=0.0)
                 vs = tl.load(vs_ptr + row, mask=tmask, other=0.0)
@@ -137,13 +161,35 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_
     tl.store(out_ptr + bh * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def check_scales(what: str, k_pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                 d: int) -> tuple[bool, int]:
+    """Whether the pages are 4-bit and their group size (``d`` when not 4-bit); a ValueError
+    where the scales do not fit the pages (one per row, or one per group of a 4-bit row) or are
+    not contiguous."""
+    packed = is_packed(k_pages.dtype)
+    if k_scale is None and v_scale is None and not packed:
+        return False, d
+    ok = k_scale is not None and v_scale is not None and k_scale.shape == v_scale.shape and \
+        k_scale.is_contiguous() and v_scale.is_contiguous()
+    if ok and packed:
+        ok = k_scale.dim() == 4 and k_scale.shape[:-1] == k_pages.shape[:-1] and d % k_scale.shape[-1] == 0
+    elif ok:
+        ok = k_scale.shape == k_pages.shape[:-1]
+    if not ok:
+        raise ValueError(f"{what}: scales {None if k_scale is None else tuple(k_scale.shape)} / "
+                         f"{None if v_scale is None else tuple(v_scale.shape)} for {k_pages.dtype} pages "
+                         f"{tuple(k_pages.shape)}")
+    return packed, (d // k_scale.shape[-1] if packed else d)
+
+
 def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, gate: torch.Tensor | None = None,
                                   tiles: dict | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``k_scale`` /
-    ``v_scale`` ``[num_pages, P, Hkv]`` contiguous: the rows' scales of one-byte pages. ``tiles``
+    ``v_scale`` ``[num_pages, P, Hkv]`` contiguous: the rows' scales of one-byte pages (4-bit
+    pages ``[num_pages, P, Hkv, D / 2]``: their groups' scales ``[num_pages, P, Hkv, D / GS]``). ``tiles``
     overrides the launch choices (the launch settings' ``attention_shape_tiles`` entry for the
     shape, else their attention_* defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
     (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""
@@ -153,11 +199,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     t = dict(settings.attention_shape_tiles.get((h, hkv, d), {}), **(tiles or {}))
     if d & (d - 1) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("paged attention kernel: head_dim must be a power of two and pages contiguous")
-    quant = k_scale is not None
-    if quant and not (v_scale is not None and k_scale.shape == k_pages.shape[:-1] == v_scale.shape
-                      and k_scale.is_contiguous() and v_scale.is_contiguous()):
-        raise ValueError(f"paged attention kernel: scales {tuple(k_scale.shape)} / "
-                         f"{None if v_scale is None else tuple(v_scale.shape)} for pages {tuple(k_pages.shape)}")
+    packed, gs = check_scales("paged attention kernel", k_pages, k_scale, v_scale, d)
+    quant = k_scale is not None and not packed  # a scale per row, on the scores
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     group = h // hkv
@@ -170,9 +213,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
     l = torch.empty_like(m)
     acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     _partial_kernel[(b, hkv, num_splits)](
-        q, k_pages, v_pages, k_scale if quant else m, v_scale if quant else m, block_tables, context_lens,
-        m, l, acc, scale, block_tables.stride(0), num_splits,
-        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, QUANT=quant,
+        q, k_pages, v_pages, m if k_scale is None else k_scale, m if v_scale is None else v_scale, block_tables,
+        context_lens, m, l, acc, scale, block_tables.stride(0), num_splits,
+        H=h, HKV=hkv, D=d, P=p, GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, QUANT=quant, PACKED=packed, GS=gs,
         num_warps=t.get("num_warps", 4), num_stages=t.get("num_stages", 2), **pdl_options(q),
     )
     out = torch.empty_like(q)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.kv_quant import dequantize
+from .paged_attention import page_width
 from .triton_switch import on_triton
 
 
@@ -23,7 +24,8 @@ def check_args(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, bl
     """Shapes and dtypes only (no device values are read): ``q`` ``[T, H, D]``, pages
     ``[num_pages, P, Hkv, D]``, ``block_tables`` ``[R, M]``, ``cu_seqlens_q`` ``[R + 1]``,
     ``ctx_lens`` ``[R]`` (int32), ``gate`` like ``q``."""
-    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[-1] != q.shape[-1]:
+    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape or \
+            k_pages.shape[-1] != page_width(k_pages, q.shape[-1]):
         raise ValueError(f"prefill attention: q {tuple(q.shape)}, pages {tuple(k_pages.shape)} / "
                          f"{tuple(v_pages.shape)}")
     if q.shape[1] % k_pages.shape[2]:
@@ -47,7 +49,8 @@ def prefill_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
                           scale: float, gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's first ``ctx_len`` keys / values gathered from its pages (dequantized with their
-    scales ``[num_pages, P, Hkv]`` where given: one-byte pages, ``cache/kv_quant.py``), then
+    scales ``[num_pages, P, Hkv]`` where given: one-byte pages; 4-bit pages ``[..., D / 2]`` with
+    scales ``[num_pages, P, Hkv, D / 32]``; ``cache/kv_quant.py``), then
     ``attention.causal_attention`` (fp32 scores and softmax); ``[T, H, D]`` in ``q``'s dtype,
     times ``sigmoid(gate)`` when a gate is given (as the torch path of ``Attention`` applies it)."""
     from .attention import causal_attention  # here: attention.py imports this module

@@ -12,7 +12,8 @@ is applied at the store. The grid is ``(tiles of the longest row, rows, KV heads
 values only, and no launch argument that changes between steps is specialised on, so a step with
 new token counts does not compile the kernel again. One-byte pages (``--kv-dtype fp8`` / ``int8``,
 ``QUANT``) as in the decode kernel: keys converted exactly to the query's dtype with their
-per-row scales on the scores, values dequantized in fp32 before the weighted sum.
+per-row scales on the scores, values dequantized in fp32 before the weighted sum; 4-bit pages
+(``PACKED``) dequantized tile by tile, keys and values, as the decode kernel does.
 Reference: ``prefill_attention_ref``.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import launch
-from .paged_attention_triton import _pool_rows
+from .paged_attention_triton import _pool_rows, check_scales, load_kv4
 from .prefill_attention import check_args
 
 # Launch choices by head_dim: ``launch.LaunchSettings.prefill_attention_tiles`` ((query, head)
@@ -34,17 +35,20 @@ from .prefill_attention import check_args
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, mask, dtype, D: tl.constexpr, MASKED: tl.constexpr,
-             QUANT: tl.constexpr):
-    """A K/V tile in ``dtype`` (values dequantized) and the keys' scales (unused zeros when
-    unquantized: a jitted function cannot return None); rows outside ``mask`` read as zeros when
-    ``MASKED``."""
-    if MASKED:
+             QUANT: tl.constexpr, PACKED: tl.constexpr, GS: tl.constexpr):
+    """A K/V tile in ``dtype`` (values dequantized; 4-bit pages: keys too) and the keys' per-row
+    scales (unused zeros unless ``QUANT``: a jitted function cannot return None); rows outside
+    ``mask`` read as zeros when ``MASKED``."""
+    ks = tl.zeros_like(rows).to(tl.float32)
+    if PACKED:
+        k = load_kv4(k_ptr, ks_ptr, rows, offs_d, mask, D, GS, MASKED)
+        v = load_kv4(v_ptr, vs_ptr, rows, offs_d, mask, D, GS, MASKED)
+    elif MASKED:
         k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :])
         v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :])
-    ks = tl.zeros_like(rows).to(tl.float32)
     if QUANT:
         if MASKED:
             ks = tl.load(ks_ptr + rows, mask=mask, other=0.0)
@@ -77,7 +81,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr
                     stride_qt, stride_qh, stride_bt, stride_gt, stride_gh,
                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
-                    QUANT: tl.constexpr):
+                    QUANT: tl.constexpr, PACKED: tl.constexpr, GS: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a row's last tiles see the most keys: first out
     r = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -103,14 +107,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for start in range(0, full, BLOCK_N):
             rows = _pool_rows(bt_row, start + tl.arange(0, BLOCK_N), full, kvh, HKV, P)
-            k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, None, q.dtype, D, False, QUANT)
+            k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, None, q.dtype, D, False, QUANT,
+                                PACKED, GS)
             m_i, l_i, acc = _step(q, k, v, ks, m_i, l_i, acc, qk_scale, None, False, QUANT)
         # the diagonal band: every query sees key ``full`` (<= first), so no row is all -inf
         for start in range(full, last + 1, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             kmask = k_pos <= last  # keys past the tile's last query: none sees them (may be past ctx)
             rows = _pool_rows(bt_row, k_pos, last + 1, kvh, HKV, P)
-            k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, kmask, q.dtype, D, True, QUANT)
+            k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, kmask, q.dtype, D, True, QUANT,
+                                PACKED, GS)
             visible = k_pos[None, :] <= q_pos[:, None]
             m_i, l_i, acc = _step(q, k, v, ks, m_i, l_i, acc, qk_scale, visible, True, QUANT)
         out = acc / l_i[:, None]
@@ -133,7 +139,8 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     ``cu_seqlens_q`` ``[R + 1]``, ``ctx_lens`` ``[R]`` int32 on the device; ``max_seqlen_q`` the
     longest row's query count (a host int, at least that row's: a smaller one leaves the rows'
     last tokens uncomputed); ``k_scale`` / ``v_scale`` ``[num_pages, P, Hkv]`` contiguous, the
-    rows' scales of one-byte pages. ``tiles`` overrides the launch settings' tiles for ``D`` (``BLOCK_M``, ``BLOCK_N``,
+    rows' scales of one-byte pages (4-bit pages ``[..., D / 2]``: their groups' scales
+    ``[num_pages, P, Hkv, D / GS]``). ``tiles`` overrides the launch settings' tiles for ``D`` (``BLOCK_M``, ``BLOCK_N``,
     ``num_warps``, ``num_stages``). Returns ``[T, H, D]`` contiguous, in ``q``'s dtype."""
     check_args(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens, gate)
     t, h, d = q.shape
@@ -142,11 +149,8 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
         raise ValueError(f"prefill attention kernel: head_dim must be a power of two >= 16, got {d}")
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("prefill attention kernel: K/V pages must be contiguous")
-    quant = k_scale is not None
-    if quant and not (v_scale is not None and k_scale.shape == k_pages.shape[:-1] == v_scale.shape
-                      and k_scale.is_contiguous() and v_scale.is_contiguous()):
-        raise ValueError(f"prefill attention kernel: scales {tuple(k_scale.shape)} / "
-                         f"{None if v_scale is None else tuple(v_scale.shape)} for pages {tuple(k_pages.shape)}")
+    packed, gs = check_scales("prefill attention kernel", k_pages, k_scale, v_scale, d)
+    quant = k_scale is not None and not packed
     if q.stride(2) != 1 or (gate is not None and gate.stride(2) != 1):
         raise ValueError(f"prefill attention kernel: q strides {q.stride()} / gate strides "
                          f"{None if gate is None else gate.stride()} need a unit column stride")
@@ -163,10 +167,11 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     group = h // hkv
     grid = (triton.cdiv(max_seqlen_q * group, c["BLOCK_M"]), rows, hkv)
     _prefill_kernel[grid](
-        q, k_pages, v_pages, k_scale if quant else q, v_scale if quant else q, block_tables, cu_seqlens_q,
+        q, k_pages, v_pages, q if k_scale is None else k_scale, q if v_scale is None else v_scale, block_tables,
+        cu_seqlens_q,
         ctx_lens, q if gate is None else gate, out,
         scale * math.log2(math.e), q.stride(0), q.stride(1), block_tables.stride(0),
         *((0, 0) if gate is None else gate.stride()[:2]),
         H=h, HKV=hkv, D=d, P=p, GROUP=group, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], GATED=gate is not None,
-        QUANT=quant, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        QUANT=quant, PACKED=packed, GS=gs, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out

@@ -43,8 +43,11 @@ def test_byte_math_agrees_with_the_engine():
         assert kv_bytes_per_token(shape, 2) == engine_kv(shape.config, torch.bfloat16)
         assert kv_bytes_per_token(shape, 1) == engine_kv(shape.config, torch.int8) == \
             engine_kv(shape.config, torch.float8_e4m3fn)  # one byte and an fp32 scale per row
+        assert kv_bytes_per_token(shape, 0.5) == engine_kv(shape.config, torch.uint8)  # 4bit: a scale per 32
         engine_state = StateSlotPool.bytes_per_slot(shape.n_gdn, *state_shapes(shape.config), torch.bfloat16)
         assert state_bytes_per_lane(shape, 2) == engine_state
+        assert state_bytes_per_lane(shape, 2, 2) == StateSlotPool.bytes_per_slot(
+            shape.n_gdn, *state_shapes(shape.config), torch.bfloat16, torch.float16)
 
 
 def test_parameter_count_matches_a_built_model():

@@ -121,6 +121,13 @@ def test_gdn_decode(v_heads, block_v):
     check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, block_v=block_v)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gdn_decode_with_a_half_precision_state(state_dtype):
+    """``--state-dtype bf16 / fp16``: the kernel reads the state, updates it in fp32 and stores it
+    rounded, as the torch decode path does."""
+    check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16, state_dtype=state_dtype)
+
+
 @pytest.mark.parametrize("shared", [32, 48, 0])
 @pytest.mark.parametrize("tokens, gemv_limit", [(1, None), (3, None), (30, 8)])  # 30 tokens: grouped GEMM
 def test_moe_block(tokens, gemv_limit, shared, monkeypatch):

@@ -1,6 +1,7 @@
-"""One-byte KV pages (``--kv-dtype int8`` / ``fp8``) under Triton's CPU interpreter: the decode and
-prompt attention kernels reading int8 / e4m3 pages with their per-row scales against the torch
-references that dequantize the gathered pages first; whole tiny models through the attention
+"""Quantized KV pages (``--kv-dtype int8`` / ``fp8`` / ``4bit``) under Triton's CPU interpreter: the
+decode and prompt attention kernels reading int8 / e4m3 pages with their per-row scales, and 4-bit
+pages with their per-group scales, against the torch references that dequantize the gathered
+pages first; whole tiny models through the attention
 kernels against the torch path over the same one-byte pools (the K/V write of one-byte pages is
 the torch one on both: it rotates keys and queries first, ``cache/kv_quant.py``)."""
 from __future__ import annotations
@@ -12,13 +13,13 @@ from support.decode_paths import load_parts
 from support.kernel_cases import check_prefill_attention, rel_err
 from support.prefill_cases import paged_rows
 
-DTYPES = [torch.int8, torch.float8_e4m3fn]
-IDS = ["int8", "fp8"]
+DTYPES = [torch.int8, torch.float8_e4m3fn, torch.uint8]
+IDS = ["int8", "fp8", "4bit"]
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("d, h, hkv, page, sms", [(64, 8, 2, 16, 4), (32, 4, 4, 8, 64)])
+@pytest.mark.parametrize("d, h, hkv, page, sms", [(64, 8, 2, 16, 4), (32, 4, 4, 8, 64), (16, 4, 2, 8, 4)])
 def test_paged_decode_attention_over_one_byte_pages(d, h, hkv, page, sms, gated, kv_dtype, monkeypatch):
     from ninfer.engine.cache.kv_quant import quantize
     from ninfer.engine.layers import paged_attention_triton as kernel
@@ -46,7 +47,8 @@ ROWS = [(0, 20), (49, 1), (17, 33), (64, 7), (3, 0), (5, 40)]
 
 @pytest.mark.parametrize("kv_dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("d, h, hkv, page, tiles", [(64, 4, 4, 16, None),
-                                                     (32, 8, 2, 5, {"BLOCK_M": 16, "BLOCK_N": 8})])
+                                                     (32, 8, 2, 5, {"BLOCK_M": 16, "BLOCK_N": 8}),
+                                                     (128, 4, 2, 16, {"BLOCK_M": 16, "BLOCK_N": 16})])
 def test_prefill_attention_over_one_byte_pages(d, h, hkv, page, tiles, kv_dtype):
     """Slots past each row's context hold NaN before quantizing, so their scales are NaN: a read
     past the context shows in the output."""
