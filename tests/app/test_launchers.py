@@ -55,6 +55,10 @@ def flags(line: str) -> dict[str, str]:
 
 
 def test_print_shows_the_planned_command_and_runs_nothing(qwen_08b_dir):
+    from ninfer.app.gpu_probe import host_memory
+
+    if host_memory()[1] < 8 << 30:  # the plan reads this machine's free memory: the 0.8B at fp32 needs ~6 GiB
+        pytest.skip("less than 8 GiB of RAM available: the plan would rightly refuse the 0.8B at fp32 here")
     port = free_port()
     done = serve_sh("--print", "--context", "4096", "--concurrency", "2", str(qwen_08b_dir), "--", "--port", str(port))
     assert done.returncode == 0, done.stderr
