@@ -35,6 +35,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # weight groups that belong to parts we do not run yet (checked on the names as saved)
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
 MTP_PREFIXES = ("mtp.", "model.mtp.")  # read apart, for --spec mtp (``Checkpoint.mtp_weights``)
+VISION_PREFIXES = ("model.visual.", "visual.")  # read apart, for --vision (``Checkpoint.vision_weights``)
 # a base model saved alone (Qwen3-Embedding's ``Qwen3Model``) has its stack's names without
 # ``model.``; tied, its LM head is its embedding
 _RENAMES = (("model.language_model.", "model."), ("embed_tokens.", "model.embed_tokens."),
@@ -91,6 +92,15 @@ def _opened(file: str):
             raise
         raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be an incomplete download") \
             from None
+
+
+def vision_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision tower's tensors, named as saved (``model.visual.*``)."""
+    for file, names in files.items():
+        with _opened(file) as f:
+            for name in names:
+                if name.startswith(VISION_PREFIXES):
+                    yield name, f.get_tensor(name)
 
 
 def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, plan: QuantPlan | None = None,
@@ -214,6 +224,12 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         tokenizer = HFTokenizer.from_dir(path)
         chat_template = chat_template_from_dir(path)
 
+    has_vision = config.vision is not None and any(n.startswith(VISION_PREFIXES) for n in names)
+    image_processor = None
+    if has_vision:
+        from ..vision.processor import ImageProcessor
+
+        image_processor = ImageProcessor.from_dir(path, config.vision)
     return Checkpoint(
         config=config,
         weights=lambda: iter_weights(files, quant, plan),
@@ -226,4 +242,6 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         skipped_prefixes=tuple(skipped),
         pooling=declared_pooling(path),
         mtp_weights=(lambda: iter_weights(files, quant, plan, mtp=True)) if mtp_layers else None,
+        vision_weights=(lambda: vision_weights(files)) if has_vision else None,
+        image_processor=image_processor,
     )
