@@ -93,6 +93,17 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def key_prompt(self) -> list[int]:
+        """The prompt's ids as the prefix cache compares them (images keyed by their digest:
+        ``MediaPrompt.keyed``)."""
+        return self.prompt_ids if self.media is None else self.media.keyed(self.prompt_ids)
+
+    @property
+    def key_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache compares them (``key_prompt``)."""
+        return self.all_ids if self.media is None else self.key_prompt + self.output_ids
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]

@@ -11,6 +11,7 @@ same on the three axes), which a request keeps for its decode steps.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class MediaPrompt:
     positions: torch.Tensor  # [3, prompt length] int64 on the host
     delta: int  # position - index past the prompt
     encoded: int = field(default=0)  # images run through the vision tower for this request
+    _keyed: list[int] | None = field(default=None, repr=False)
 
     @property
     def length(self) -> int:
@@ -51,6 +53,18 @@ class MediaPrompt:
 
     def overlapping(self, start: int, end: int) -> list[PlacedImage]:
         return [im for im in self.images if im.start < end and im.end > start]
+
+    def keyed(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's ids as the prefix cache knows them: each image's placeholders replaced by
+        a negative id made of its bytes' digest and its grid, so a checkpoint past an image is found
+        only by a prompt with the same image there (computed once per request)."""
+        if self._keyed is None:
+            ids = list(prompt_ids)
+            for im in self.images:
+                tag = -1 - (int(hashlib.sha256(f"{im.image.digest}:{im.image.grid}".encode()).hexdigest()[:15], 16))
+                ids[im.start : im.end] = [tag] * (im.end - im.start)
+            self._keyed = ids
+        return self._keyed
 
     def digests(self) -> list[tuple[int, str, tuple[int, int, int]]]:
         """``(start, digest, grid)`` of every image, in prompt order."""

@@ -144,11 +144,7 @@ def save_tiny_qwen3_5_vl(path: Path, seed: int = 0, moe: bool = False, noise: fl
         model = transformers.Qwen3_5ForConditionalGeneration(
             transformers.Qwen3_5Config(text_config={**text, "intermediate_size": 96}, vision_config=TINY_VISION,
                                        **ids))
-    # the language model loud, as the other tiny checkpoints; the tower less so, its embeddings of
-    # the size of the token embeddings (a loud tower's float noise would be all a test could see)
-    _perturb(model.model.language_model, noise)
-    _perturb(model.lm_head, noise)
-    _perturb(model.model.visual, 0.05)
+    _perturb(model, noise)
     model.eval()
     model.save_pretrained(path)
     transformers.Qwen2VLImageProcessorPil(
@@ -157,16 +153,19 @@ def save_tiny_qwen3_5_vl(path: Path, seed: int = 0, moe: bool = False, noise: fl
     return path, model
 
 
-def tiny_png(width: int, height: int, seed: int = 0) -> bytes:
-    """A PNG of smooth random colours (``width`` x ``height``)."""
+def tiny_png(width: int, height: int, seed: int = 0, noise: bool = False) -> bytes:
+    """A PNG of smooth random colours (``width`` x ``height``); ``noise``: of random pixels."""
     import io
 
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
-    img = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+    if noise:
+        img = Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+    else:
+        coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+        img = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
