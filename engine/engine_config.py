@@ -66,6 +66,8 @@ class EngineConfig:
     # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
     # (e4m3) / "int8" with an fp32 scale per token and KV head (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
+    # load the checkpoint's vision tower and take requests with images (``vision/``)
+    vision: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_dtype in REFUSED_KV_DTYPES:
@@ -115,6 +117,9 @@ class EngineConfig:
             raise ValueError(f"spec 'mtp' needs the checkpoint's MTP head (mtp.* weights, mtp_num_hidden_layers), "
                              f"which this {model.family} model does not have (or was loaded without): "
                              "serve it with --spec ngram or off")
+        if self.vision and (model.vision is None or model.image_token_id is None):
+            raise ValueError(f"vision needs a checkpoint with a vision tower (vision_config, model.visual.*), "
+                             f"which this {model.family} model does not have: serve it without --vision")
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

@@ -162,7 +162,18 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         kv_dtype=args.kv_dtype,
+        vision=args.vision,
     )
+
+
+def media_settings(args: argparse.Namespace, ckpt: Checkpoint, config: EngineConfig):
+    """How requests' images are read (``server/media.py``): None without --vision."""
+    if not config.vision:
+        return None
+    from .media import MediaSettings
+
+    return MediaSettings(ckpt.image_processor, ckpt.config.image_token_id,
+                         allow_remote=getattr(args, "allow_remote_media", False))
 
 
 def host_cache_mib(value: str, device: str) -> int:
@@ -197,8 +208,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
 def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
-    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp"),
-                     tokenizer, config)
+    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
+                                vision=config.vision), tokenizer, config)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -241,6 +252,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop 
         generation=ckpt.generation,
         api_key=args.api_key,
         pooling=ckpt.pooling,
+        media=media_settings(args, ckpt, config),
         **gateway_settings(args),
     )
     state.observability = observability.setup(args, state)

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spec ngram: the shortest suffix of the sequence looked up (default 1)")
     p.add_argument("--ngram-max", type=int, default=3, metavar="N",
                    help="--spec ngram: the longest suffix looked up, tried first (default 3)")
+    p.add_argument("--vision", action="store_true",
+                   help="load the checkpoint's vision tower (Qwen3.5 / 3.6: model.visual.*) and take images in "
+                        "requests (data URIs / base64); off by default: no memory spent on it")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="with --vision, let requests name images by http(s) URL (fetching is not implemented yet: "
+                        "such a request is still a 400)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")

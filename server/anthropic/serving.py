@@ -15,6 +15,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser, ContentTe
 from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
+from ..media import expand, images_of
 from ..generation import Sampling, check_prompt, keep_for, rendered_prompt, sampling_params, thinking_control
 from ..openai_common import check_model, new_id
 from ..state import ServerState
@@ -40,6 +41,7 @@ class Prompt:
     applied: list[dict[str, Any]]  # context edits, as ``context_management.applied_edits`` reports them
     original_tokens: int  # before the edits
     marks: tuple[int, ...] = ()  # where prefix checkpoints go in ``ids`` (``generation.rendered_prompt``)
+    media: Any = None  # the images (MediaPrompt), their placeholders expanded in ``ids``
 
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
@@ -56,6 +58,10 @@ def build_prompt(state: ServerState, low: Lowered) -> Prompt:
 
     prompt = Prompt(*context_edits.apply(low.edits or [], low.messages, render))
     prompt.marks = ends[-1] if ends else ()
+    images = images_of(state, low.messages)  # on a worker thread, as the whole preparation
+    if images:
+        prompt.ids, prompt.media, marks = expand(state, prompt.ids, images, prompt.marks)
+        prompt.marks = marks or ()
     return prompt
 
 
@@ -89,6 +95,7 @@ class PreparedMessages:
                             grammar=low.tools.grammar())
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
+        self.media = prompt.media
         self.keep = keep_for(state, tuple(m for m in prompt.marks if m <= len(ids)), low.options)
         self.tools = [t.spec for t in low.tools.tools]
         self.stop_sequences = set(req.stop_sequences or [])

@@ -1,0 +1,133 @@
+"""Images in through the real clients: the openai SDK (Chat ``image_url`` data URIs, Responses
+``input_image``) and the anthropic SDK (base64 ``image`` blocks) against a server on a tiny
+random Qwen3.5 with its vision tower (``--vision``, the engine in a process of its own). Each
+gets an answer; the counted input tokens (``input_tokens`` / ``count_tokens``) equal the
+answer's usage and include the image's tokens; a broken image is a 400 ``invalid_media`` naming
+its part; a URL is refused; a server without ``--vision`` says so."""
+from __future__ import annotations
+
+import base64
+
+import anthropic
+import openai
+import pytest
+
+from ninfer.server.app import create_app
+from ninfer.server.bootstrap import build_state
+from ninfer.server.cli import build_parser
+from support.live_server import LiveServer
+from support.tiny import TINY_MAX_PIXELS, save_tiny_qwen3_5_vl, tiny_png
+
+MODEL = "tiny-vl"
+PNG = tiny_png(40, 24, seed=3)  # 6 x 10 patches: 15 tokens
+DATA_URI = "data:image/png;base64," + base64.b64encode(PNG).decode()
+IMAGE_TOKENS = 15
+
+
+def serve(path, *flags):
+    state, loop = build_state(build_parser().parse_args([str(path), "--model-id", MODEL, "--max-context", "512",
+                                                         *flags]))
+    loop.start()
+    return state, loop
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path, _ = save_tiny_qwen3_5_vl(tmp_path_factory.mktemp("vl") / MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    state, loop = serve(ckpt, "--vision")
+    with LiveServer(create_app(state)) as live:
+        yield live, state
+    loop.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served[0].base_url + "/v1", api_key="none", max_retries=0)
+
+
+def chat_messages(uri: str = DATA_URI) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                         {"type": "image_url", "image_url": {"url": uri}}]}]
+
+
+def text_tokens(state, text: str) -> int:
+    return len(state.tokenizer.encode(text))
+
+
+def test_chat_image_url(served, oai):
+    _, state = served
+    out = oai.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=8, temperature=0)
+    assert out.choices[0].message.content is not None and out.usage.completion_tokens > 0
+    rendered = ("<|im_start|>user\nWhat is in the picture?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert out.usage.prompt_tokens == text_tokens(state, rendered) + IMAGE_TOKENS - 1
+    # another image of the same size: the same count, another answer's prompt
+    other = "data:image/png;base64," + base64.b64encode(tiny_png(40, 24, seed=4, noise=True)).decode()
+    again = oai.chat.completions.create(model=MODEL, messages=chat_messages(other), max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_responses_input_image_counted_as_used(oai):
+    content = [{"type": "input_text", "text": "Describe it."}, {"type": "input_image", "image_url": DATA_URI}]
+    items = [{"role": "user", "content": content}]
+    count = oai.responses.input_tokens.count(model=MODEL, input=items)
+    out = oai.responses.create(model=MODEL, input=items, max_output_tokens=8, temperature=0)
+    assert out.status in ("completed", "incomplete") and out.usage.output_tokens > 0
+    assert count.input_tokens == out.usage.input_tokens
+    text_only = oai.responses.input_tokens.count(model=MODEL, input=[{"role": "user", "content": content[:1]}])
+    assert count.input_tokens > text_only.input_tokens + IMAGE_TOKENS - 2
+
+
+def test_anthropic_image_block(served):
+    client = anthropic.Anthropic(base_url=served[0].base_url, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(PNG).decode()}},
+        {"type": "text", "text": "What is this?"}]}]
+    count = client.messages.count_tokens(model=MODEL, messages=messages)
+    out = client.messages.create(model=MODEL, messages=messages, max_tokens=8)
+    assert out.usage.output_tokens > 0 and out.content
+    assert count.input_tokens == out.usage.input_tokens
+    text_only = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "What is this?"}])
+    assert count.input_tokens >= text_only.input_tokens + IMAGE_TOKENS
+
+
+def test_broken_image_names_its_part(oai, served):
+    broken = "data:image/png;base64," + base64.b64encode(b"\x89PNG not really an image").decode()
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=chat_messages(broken), max_tokens=4)
+    body = err.value.body
+    assert body["code"] == "invalid_media" and body["param"] == "messages[0].content[1]"
+
+    client = anthropic.Anthropic(base_url=served[0].base_url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as aerr:
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Look:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!notbase64!!"}}]}])
+    assert "messages[0].content[1]" in str(aerr.value)
+
+
+def test_remote_image_refused(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=chat_messages("https://example.com/cat.png"), max_tokens=4)
+    assert err.value.body["code"] == "remote_media_disabled"
+    assert "--allow-remote-media" in err.value.body["message"]
+
+
+def test_without_vision_an_image_is_refused(ckpt):
+    state, loop = serve(ckpt, "--engine-thread")
+    try:
+        with LiveServer(create_app(state)) as live:
+            client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=4)
+            assert err.value.body["code"] == "vision_disabled" and "--vision" in err.value.body["message"]
+            # text alone is served
+            assert client.chat.completions.create(model=MODEL, max_tokens=2,
+                                                  messages=[{"role": "user", "content": "Hi"}]).choices
+    finally:
+        loop.stop()
