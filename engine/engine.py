@@ -118,6 +118,7 @@ class LLMEngine:
     def _new_counters(self) -> EngineCounters:
         counters = EngineCounters()
         counters.spec_enabled = self.drafter is not None
+        self.runner.counters = counters  # the runner counts the images it encodes there
         return counters
 
     def idle_work(self) -> bool:

@@ -117,6 +117,7 @@ class ModelRunner:
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
         self.images_encoded = 0  # images run through the vision tower
+        self.counters = None  # the engine's EngineCounters, which count them too
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
@@ -257,6 +258,8 @@ class ModelRunner:
                     im.embeds = tower.encode(im.image)
                     req.media.encoded += 1
                     self.images_encoded += 1
+                    if self.counters is not None:
+                        self.counters.images_encoded += 1
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

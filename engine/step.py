@@ -117,7 +117,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
             rows3 = media.rows(start, n)
             positions.extend(rows3[0].tolist())
             axes.append(rows3)
-            for im in media.overlapping(start, start + n):
+            for im in media.overlapping(start, start + n) if given is None else ():  # the MTP head's rows take none
                 lo, hi = max(start, im.start), min(start + n, im.end)
                 if im.embeds is None:
                     raise RuntimeError("an image's tokens are in a step before the image is encoded")

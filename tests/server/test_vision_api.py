@@ -131,3 +131,32 @@ def test_without_vision_an_image_is_refused(ckpt):
                                                   messages=[{"role": "user", "content": "Hi"}]).choices
     finally:
         loop.stop()
+
+
+def images_encoded(served) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(served[0].base_url + "/metrics").text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "ninfer_images_encoded_total")
+
+
+def test_returning_conversation_goes_on_past_its_image(served, oai):
+    """The second turn resends the image in its history: the prompt goes on from the first turn's
+    checkpoint, past the image, and the vision tower does not run again."""
+    image = "data:image/png;base64," + base64.b64encode(tiny_png(48, 32, seed=9)).decode()  # a new image
+    first_turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                               {"type": "text", "text": "What is this?"}]}]
+    before = images_encoded(served)
+    first = oai.chat.completions.create(model=MODEL, messages=first_turn, max_tokens=6, temperature=0)
+    assert images_encoded(served) == before + 1
+    history = first_turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And the colours?"}]
+    second = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    # the turn's opening, the vision start token and the 6 x 8 / 4 image tokens: all reused, and
+    # the rest of the first turn up to its generation prompt (the first prompt's checkpoint)
+    image_end = text_tokens(served[1], "<|im_start|>user\n<|vision_start|>") + 12
+    generation_prompt = text_tokens(served[1], "<|im_start|>assistant\n")
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - generation_prompt > image_end
+    assert images_encoded(served) == before + 1
