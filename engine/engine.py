@@ -146,6 +146,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias token id {max(bias)} is out of range [0, {limit})")
         if request.media is not None and self.model.vision_tower is None:
             raise ValueError("the request has images and the model runs without its vision tower (--vision)")
+        if request.media is not None and request.media.length != len(ids):
+            raise ValueError(f"the request's image positions cover {request.media.length} tokens of a "
+                             f"{len(ids)}-token prompt")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         marks = request.checkpoints

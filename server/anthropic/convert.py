@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..media import image_part
 from ..errors import invalid, unsupported
 from ..generation import template_options
+from ..media import image_part
 from ..openai_common import FunctionTool, ToolUse, function_tool, unique_names
 from ..state import ServerState
 from . import context_edits

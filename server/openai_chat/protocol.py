@@ -11,10 +11,10 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..media import image_part
 from ..errors import invalid, unsupported
 from ..generation import Sampling
 from ..logprobs import openai_logit_bias
+from ..media import image_part
 from ..state import ServerState
 from ..structured import request_grammar
 from ..openai_common import (FunctionTool, ToolUse, callable_tools, function_tool, normalize_stops,
