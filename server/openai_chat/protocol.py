@@ -182,7 +182,7 @@ class ChatCompletionRequest(BaseModel):
         elif part.type == "refusal" and role == "assistant":
             if part.refusal is None:
                 raise invalid(f"{at}.refusal", "a refusal part needs 'refusal'")
-        elif part.type == "image_url" and role in ("user", "system", "tool"):
+        elif part.type == "image_url" and role in ("user", "system", "developer", "tool"):
             media = extra.get(part.type)
             detail = media.get("detail") if isinstance(media, dict) else None
             if detail not in (None, "auto"):

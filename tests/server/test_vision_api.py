@@ -160,3 +160,22 @@ def test_returning_conversation_goes_on_past_its_image(served, oai):
     generation_prompt = text_tokens(served[1], "<|im_start|>assistant\n")
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - generation_prompt > image_end
     assert images_encoded(served) == before + 1
+
+
+def test_anthropic_image_in_a_tool_result(served):
+    """A tool result may carry an image: it is read and counted as one in a user turn."""
+    client = anthropic.Anthropic(base_url=served[0].base_url, api_key="none", max_retries=0)
+    tool = {"name": "screenshot", "description": "Take a screenshot", "input_schema": {"type": "object"}}
+
+    def messages(result_content):
+        return [{"role": "user", "content": "Take a screenshot."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result_content}]}]
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(PNG).decode()}}
+    with_image = client.messages.count_tokens(model=MODEL, tools=[tool], messages=messages([image]))
+    without = client.messages.count_tokens(model=MODEL, tools=[tool], messages=messages([]))
+    assert with_image.input_tokens >= without.input_tokens + IMAGE_TOKENS
+    out = client.messages.create(model=MODEL, tools=[tool], max_tokens=6, messages=messages([image]))
+    assert out.usage.input_tokens == with_image.input_tokens
