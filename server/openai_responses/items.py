@@ -125,7 +125,7 @@ def _function_output(item: dict[str, Any], at: str) -> dict[str, Any]:
             raise invalid(f"{at}.output", "output parts must not be empty")
         output = [_text_part(p, f"{at}.output[{j}]", "tool") for j, p in enumerate(output)]
     elif not isinstance(output, str):
-        raise invalid(f"{at}.output", "output must be a string or an array of input_text parts")
+        raise invalid(f"{at}.output", "output must be a string or an array of input_text / input_image parts")
     out = {"id": item.get("id") or new_id("fco_"), "type": "function_call_output", "call_id": item["call_id"],
            "output": output, "status": "completed"}
     for key in ("name", "namespace"):
@@ -169,17 +169,15 @@ def _part_text(part: dict[str, Any]) -> str:
     return part.get("refusal", "") if part.get("type") == "refusal" else part.get("text", "")
 
 
-def _content(parts: list[dict[str, Any]], at: str) -> str | list[dict[str, Any]]:
-    """A message's template content: its text, or with images a list of text and image parts
-    (``server/media.py``; ``at``: where the message was sent)."""
+def _content(parts: str | list[dict[str, Any]], at: str, key: str = "content") -> str | list[dict[str, Any]]:
+    """A message's (or a function result's) template content: its text, or with images a list of
+    text and image parts (``server/media.py``; ``at``: where the Item was sent, ``key``: its parts)."""
+    if isinstance(parts, str):
+        return parts
     if not any(p.get("type") == "input_image" for p in parts):
         return "".join(_part_text(p) for p in parts)
-    return [image_part(p["image_url"], f"{at}.content[{j}]") if p.get("type") == "input_image"
+    return [image_part(p["image_url"], f"{at}.{key}[{j}]") if p.get("type") == "input_image"
             else {"type": "text", "text": _part_text(p)} for j, p in enumerate(parts)]
-
-
-def _output_text(output: str | list[dict[str, Any]]) -> str:
-    return output if isinstance(output, str) else "".join(_part_text(p) for p in output)
 
 
 def to_messages(items: list[dict[str, Any]], instructions: str | None = None, first_input: int = 0) -> list[dict[str, Any]]:
@@ -229,11 +227,15 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None = None, fi
             raise APIError(400, "tool results must answer the turn's calls in a prefix of their order; a "
                            "missing earlier result cannot be represented", "input", "invalid_tool_history")
         for _, r in ordered:
-            messages.append({"role": "tool", "content": _output_text(r["output"]), "tool_call_id": r["call_id"]})
+            messages.append({"role": "tool", "content": _content(r["output"], sent[id(r)], "output"),
+                             "tool_call_id": r["call_id"]})
         results, calls = [], {}
+
+    sent: dict[int, str] = {}  # id(Item) -> where it was sent
 
     for n, item in enumerate(items):
         kind = item["type"]
+        sent[id(item)] = f"input[{n - first_input}]" if n >= first_input else "previous_response_id"
         if kind in ASSISTANT_PHASE and (kind != "message" or item["role"] == "assistant"):
             close_results()
             phase = ASSISTANT_PHASE[kind]
@@ -256,8 +258,7 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None = None, fi
         else:
             close_turn()
             close_results()
-            messages.append({"role": item["role"], "content": _content(item["content"], f"input[{n - first_input}]" if n >= first_input
-                                                              else "previous_response_id")})
+            messages.append({"role": item["role"], "content": _content(item["content"], sent[id(item)])})
     close_turn()
     close_results()
     return messages

@@ -179,3 +179,22 @@ def test_anthropic_image_in_a_tool_result(served):
     assert with_image.input_tokens >= without.input_tokens + IMAGE_TOKENS
     out = client.messages.create(model=MODEL, tools=[tool], max_tokens=6, messages=messages([image]))
     assert out.usage.input_tokens == with_image.input_tokens
+
+
+def test_responses_image_in_a_function_result(oai):
+    """A function_call_output's parts may hold an image: read and counted in the tool turn."""
+    call = {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"}
+    tools = [{"type": "function", "name": "screenshot", "parameters": {"type": "object", "properties": {}}}]
+
+    def items(output):
+        return [{"role": "user", "content": "Take a screenshot."}, call,
+                {"type": "function_call_output", "call_id": "c1", "output": output}]
+
+    image = [{"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": DATA_URI}]
+    with_image = oai.responses.input_tokens.count(model=MODEL, tools=tools, input=items(image))
+    without = oai.responses.input_tokens.count(model=MODEL, tools=tools, input=items("here"))
+    assert with_image.input_tokens >= without.input_tokens + IMAGE_TOKENS
+    broken = [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.input_tokens.count(model=MODEL, tools=tools, input=items(broken))
+    assert err.value.body["code"] == "invalid_media" and err.value.body["param"] == "input[2].output[0]"
