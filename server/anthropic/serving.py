@@ -46,19 +46,20 @@ class Prompt:
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
     tools = [t.template for t in low.tools.tools]
-    ends: list[tuple[int, ...]] = []  # of each rendering; the last one's are the prompt's
+    # of each rendering (context edits may render several and keep one): its messages and marks
+    renderings: dict[int, tuple[list[int], list[dict[str, Any]], tuple[int, ...]]] = {}
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         text, ids, marks = rendered_prompt(state, messages, tools, low.options)
         if low.prefill is not None:
             text += low.prefill
             ids = state.tokenizer.encode(text)
-        ends.append(marks)
+        renderings[id(ids)] = (ids, messages, marks)  # the ids held: no other list takes their id
         return text, ids
 
     prompt = Prompt(*context_edits.apply(low.edits or [], low.messages, render))
-    prompt.marks = ends[-1] if ends else ()
-    images = images_of(state, low.messages)  # on a worker thread, as the whole preparation
+    _, messages, prompt.marks = renderings.get(id(prompt.ids), (None, low.messages, ()))
+    images = images_of(state, messages)  # those of the messages kept; on a worker thread, as the whole preparation
     if images:
         prompt.ids, prompt.media, marks = expand(state, prompt.ids, images, prompt.marks)
         prompt.marks = marks or ()
