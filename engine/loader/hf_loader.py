@@ -1,8 +1,9 @@
 """Read a Hugging Face model directory: config, safetensors weights (lazily), tokenizer, defaults.
 
 Weight names are normalised to what the text models expect: ``model.language_model.X`` (saved by
-``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. Parts we do not run yet (MTP heads,
-vision towers) are skipped and reported once; any other tensor goes to the model's
+``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. MTP heads and vision towers are left
+out of the main weights and reported once (read apart: ``Checkpoint.mtp_weights`` for --spec mtp,
+``vision_weights`` for --vision); any other tensor goes to the model's
 ``load_weights``, which rejects what it does not know.
 
 A pre-quantized checkpoint (``quantization_config``: FP8 block-wise, GPTQ, AWQ; ``hf_quant.py``)
@@ -206,7 +207,9 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     files = weight_files(path)
     skipped = Counter(p for names in files.values() for p in map(skipped_prefix, names) if p)
     for prefix, count in skipped.items():
-        log.info("skipping %d tensors under %r (not run by this engine yet)", count, prefix)
+        why = ("read with --vision only" if prefix in VISION_PREFIXES else
+               "read with --spec mtp only" if prefix in MTP_PREFIXES else "not run by this engine yet")
+        log.info("skipping %d tensors under %r (%s)", count, prefix, why)
     plan = None
     names = [n for group in files.values() for n in group]
     mtp_layers = mtp_layer_count(names)
