@@ -172,8 +172,10 @@ def media_settings(args: argparse.Namespace, ckpt: Checkpoint, config: EngineCon
         return None
     from .media import MediaSettings
 
-    return MediaSettings(ckpt.image_processor, ckpt.config.image_token_id,
-                         allow_remote=getattr(args, "allow_remote_media", False))
+    if args.media_live_mib <= 0:
+        raise ValueError(f"--media-live-mib must be > 0, got {args.media_live_mib}")
+    return MediaSettings(ckpt.image_processor, ckpt.config.image_token_id, allow_remote=args.allow_remote_media,
+                         live_bytes=int(args.media_live_mib * (1 << 20)))
 
 
 def host_cache_mib(value: str, device: str) -> int:

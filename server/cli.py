@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true",
                    help="with --vision, let requests name images by http(s) URL (fetching is not implemented yet: "
                         "such a request is still a 400)")
+    p.add_argument("--media-live-mib", type=float, default=1024,
+                   help="with --vision, the preprocessed images the requests in flight may hold together; one "
+                        "that would pass it is refused with 429 (default 1024)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")

@@ -363,12 +363,16 @@ async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
     """The engine's outputs for one request, engine errors as HTTP errors; ``forks``,
     ``fork_of``: one choice of several (``choices.py``); ``media``: the prompt's images."""
     at = None if keep.at is None else list(keep.at)
+    held = state.media.hold(media) if media is not None and state.media is not None else 0
     try:
         async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer, forks, fork_of,
                                                media):
             yield out
     except EngineError as exc:
         raise engine_error(exc) from exc
+    finally:
+        if held:
+            state.media.release(held)
 
 
 async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,

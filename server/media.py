@@ -7,14 +7,16 @@ tokens. ``images_of`` decodes and preprocesses them in prompt order (on the prep
 threads: never on the event loop or the engine thread); ``expand`` then gives each placeholder
 the image's token count and the prompt its M-RoPE positions. Remote URLs are refused; a part that
 is not a readable image is a 400 ``invalid_media`` naming it; without ``--vision`` any image is a
-400 ``vision_disabled``.
+400 ``vision_disabled``. The images of the requests in flight are bounded together
+(``MediaSettings.hold``, ``--media-live-mib``); decoding is bounded by the preparation threads.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..engine.vision.media import MediaPrompt, expand_images
@@ -30,6 +32,26 @@ class MediaSettings:
     processor: ImageProcessor
     image_token_id: int
     allow_remote: bool = False  # --allow-remote-media
+    # --media-live-mib: the preprocessed images requests in flight may hold together; a request
+    # that would go past it is a 429 ``media_overloaded`` (one alone always goes)
+    live_bytes: int = 1 << 30
+    held: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def hold(self, media: MediaPrompt) -> int:
+        """Count a request's images as live until ``release``; the bytes counted."""
+        n = sum(im.image.pixels.nbytes for im in media.images)
+        with self._lock:
+            if self.held and self.held + n > self.live_bytes:
+                raise APIError(429, f"requests in flight hold {self.held >> 20} MiB of images; this one's "
+                               f"{n >> 20} MiB would pass the server's {self.live_bytes >> 20} MiB "
+                               "(--media-live-mib); retry later", None, "media_overloaded")
+            self.held += n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
 
 
 def image_part(source: Any, param: str) -> dict[str, Any]:

@@ -198,3 +198,32 @@ def test_responses_image_in_a_function_result(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.input_tokens.count(model=MODEL, tools=tools, input=items(broken))
     assert err.value.body["code"] == "invalid_media" and err.value.body["param"] == "input[2].output[0]"
+
+
+def test_images_in_flight_are_bounded(served, oai):
+    """--media-live-mib: the images of requests in flight are counted until each ends; past the
+    bound a request is a 429 ``media_overloaded``, but one alone always goes."""
+    from ninfer.engine.vision.media import expand_images
+    from ninfer.server.errors import APIError
+
+    _, state = served
+    media = state.media
+    assert media.held == 0
+    oai.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=2)
+    assert media.held == 0  # released when the request ended
+    image = media.processor.process_bytes(PNG)
+    _, prompt = expand_images([media.image_token_id], [image], media.image_token_id)
+    limit = media.live_bytes
+    try:
+        media.live_bytes = image.pixels.nbytes  # room for one such image
+        first = media.hold(prompt)
+        with pytest.raises(APIError) as err:
+            media.hold(prompt)
+        assert err.value.status == 429 and err.value.code == "media_overloaded"
+        media.release(first)
+        media.release(media.hold(prompt))
+        media.live_bytes = 1  # smaller than any image: one alone still goes
+        media.release(media.hold(prompt))
+    finally:
+        media.live_bytes = limit
+    assert media.held == 0
