@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the checkpoint's vision tower (Qwen3.5 / 3.6: model.visual.*) and take images in "
                         "requests (data URIs / base64); off by default: no memory spent on it")
     p.add_argument("--allow-remote-media", action="store_true",
-                   help="with --vision, let requests name images by http(s) URL (fetching is not implemented yet: "
-                        "such a request is still a 400)")
+                   help="with --vision, let requests name images by http(s) URL, fetched by the server "
+                        "(10 s, 32 MiB at most); off by default: such a request is a 400")
     p.add_argument("--media-live-mib", type=float, default=1024,
                    help="with --vision, the preprocessed images the requests in flight may hold together; one "
                         "that would pass it is refused with 429 (default 1024)")

@@ -5,8 +5,9 @@ Every API family turns its image parts (Chat ``image_url``, Responses ``input_im
 it was sent>}``; the chat template renders each as one image placeholder between the vision
 tokens. ``images_of`` decodes and preprocesses them in prompt order (on the preparation worker
 threads: never on the event loop or the engine thread); ``expand`` then gives each placeholder
-the image's token count and the prompt its M-RoPE positions. Remote URLs are refused; a part that
-is not a readable image is a 400 ``invalid_media`` naming it; without ``--vision`` any image is a
+the image's token count and the prompt its M-RoPE positions. A part that
+is not a readable image is a 400 ``invalid_media`` naming it; http(s) URLs are fetched only with
+``--allow-remote-media`` (a timeout and a size bound); without ``--vision`` any image is a
 400 ``vision_disabled``. The images of the requests in flight are bounded together
 (``MediaSettings.hold``, ``--media-live-mib``); decoding is bounded by the preparation threads.
 """
@@ -23,6 +24,8 @@ from ..engine.vision.media import MediaPrompt, expand_images
 from ..engine.vision.processor import ImageProcessor, MediaError, ProcessedImage
 from .errors import APIError, unsupported
 
+REMOTE_TIMEOUT_S = 10.0  # an image fetched from a URL (--allow-remote-media) must arrive within this
+REMOTE_MAX_BYTES = 32 << 20  # and be no larger than this
 VISION_DISABLED = "image input needs the model's vision tower: this server runs without vision (start it with --vision)"
 _DATA_URI = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?),(?P<data>.*)$", re.S)
 
@@ -79,8 +82,7 @@ def source_bytes(source: Any, param: str, settings: MediaSettings) -> bytes:
         raise invalid_media(param, "an image needs a data URI")
     if source.startswith(("http://", "https://")):
         if settings.allow_remote:
-            raise unsupported(param, "fetching images from URLs is not implemented; send the image as a data URI",
-                              "remote_media_unsupported")
+            return fetched(source, param)
         raise unsupported(param, "images from URLs are not fetched (start the server with --allow-remote-media); "
                           "send the image as a data URI", "remote_media_disabled")
     match = _DATA_URI.match(source)
@@ -95,6 +97,25 @@ def source_bytes(source: Any, param: str, settings: MediaSettings) -> bytes:
     from urllib.parse import unquote_to_bytes
 
     return unquote_to_bytes(data)
+
+
+def fetched(url: str, param: str) -> bytes:
+    """The bytes at an http(s) URL, within ``REMOTE_TIMEOUT_S`` and ``REMOTE_MAX_BYTES`` (on a
+    preparation thread); what cannot be had is a 400 ``invalid_media`` naming the part."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"User-Agent": "ninfer", "Accept": "image/*"})
+    try:
+        with urllib.request.urlopen(request, timeout=REMOTE_TIMEOUT_S) as response:
+            data = response.read(REMOTE_MAX_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise invalid_media(param, f"fetching it answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise invalid_media(param, f"it could not be fetched ({getattr(exc, 'reason', exc)})") from None
+    if len(data) > REMOTE_MAX_BYTES:
+        raise invalid_media(param, f"it is larger than {REMOTE_MAX_BYTES >> 20} MiB")
+    return data
 
 
 def images_of(state, messages: list[dict[str, Any]]) -> list[ProcessedImage]:

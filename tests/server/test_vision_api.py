@@ -227,3 +227,43 @@ def test_images_in_flight_are_bounded(served, oai):
     finally:
         media.live_bytes = limit
     assert media.held == 0
+
+
+def test_remote_image_fetched_when_allowed(served, oai):
+    """--allow-remote-media (set here on the running server's settings): an http URL is fetched
+    and read as the same image sent inline; a missing one is a 400 ``invalid_media`` naming it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Images(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path != "/cat.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            self.wfile.write(PNG)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    media = served[1].media
+    media.allow_remote = True
+    try:
+        inline = oai.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=4, temperature=0)
+        remote = oai.chat.completions.create(model=MODEL, messages=chat_messages(base + "/cat.png"), max_tokens=4,
+                                             temperature=0)
+        assert remote.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert remote.choices[0].message.content == inline.choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL, messages=chat_messages(base + "/dog.png"), max_tokens=4)
+        assert err.value.body["code"] == "invalid_media" and "404" in err.value.body["message"]
+        assert err.value.body["param"] == "messages[0].content[1]"
+    finally:
+        media.allow_remote = False
+        httpd.shutdown()
