@@ -243,7 +243,6 @@ class ModelRunner:
             launched.hidden, launched.rows = hidden, rows
         return launched
 
-
     def _encode_images(self, plan: list[tuple[Request, int]]) -> None:
         """Run the vision tower over each image whose tokens this step computes and that has no
         embeddings yet (an image split over chunks is encoded once, with its first chunk)."""
