@@ -43,7 +43,7 @@ class MediaSettings:
 
     def hold(self, media: MediaPrompt) -> int:
         """Count a request's images as live until ``release``; the bytes counted."""
-        n = sum(im.image.pixels.nbytes for im in media.images)
+        n = sum(im.image.nbytes for im in media.images)
         with self._lock:
             if self.held and self.held + n > self.live_bytes:
                 raise APIError(429, f"requests in flight hold {self.held >> 20} MiB of images; this one's "

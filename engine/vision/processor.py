@@ -5,8 +5,10 @@ An image is converted to RGB, resized (bicubic) so both sides are multiples of
 the aspect ratio as close as it can be, scaled to [0, 1] and normalised by the checkpoint's mean
 and standard deviation. It is then cut into ``patch_size`` squares, ordered by merge blocks
 (``merge_size`` x ``merge_size`` neighbouring patches are consecutive: the merger fuses them into
-one token), each patch repeated ``temporal_patch_size`` times (a still image is one frame of a
-video). The settings come from the checkpoint's ``preprocessor_config.json``.
+one token). The tower takes each patch repeated ``temporal_patch_size`` times (a still image is
+one frame of a video): a ``ProcessedImage`` holds the frame once and repeats it when asked
+(``pixels``), which halves what a request in flight holds. The settings come from the
+checkpoint's ``preprocessor_config.json``.
 """
 from __future__ import annotations
 
@@ -33,10 +35,22 @@ class MediaError(ValueError):
 class ProcessedImage:
     """One image ready for the vision tower."""
 
-    pixels: torch.Tensor  # [patches, channels * temporal_patch_size * patch_size**2] fp32
+    frame: torch.Tensor  # [patches, channels, patch_size**2] fp32: each patch once
     grid: tuple[int, int, int]  # (frames, patch rows, patch columns)
     digest: str  # sha256 of the image bytes as sent
     merge_size: int = 2
+    temporal_patch_size: int = 2
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        """The tower's input ``[patches, channels * temporal_patch_size * patch_size**2]``: each
+        channel's patch repeated over the temporal patch (a new tensor)."""
+        p, c, a = self.frame.shape
+        return self.frame[:, :, None, :].expand(p, c, self.temporal_patch_size, a).reshape(p, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.frame.nbytes
 
     @property
     def tokens(self) -> int:
@@ -136,10 +150,10 @@ class ImageProcessor:
         gh, gw = h // p, w // p
         # [c, block rows, m, p, block cols, m, p] -> [block rows, block cols, m, m, c, p, p]
         x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
-        pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3 * t * p * p))
-        return ProcessedImage(pixels=pixels, grid=(1, gh, gw), digest=digest or _digest_of(pixels), merge_size=m)
+        frame = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3, p * p))
+        return ProcessedImage(frame=frame, grid=(1, gh, gw), digest=digest or _digest_of(frame), merge_size=m,
+                              temporal_patch_size=t)
 
 
-def _digest_of(pixels: torch.Tensor) -> str:
-    return hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+def _digest_of(frame: torch.Tensor) -> str:
+    return hashlib.sha256(frame.numpy().tobytes()).hexdigest()

@@ -215,7 +215,7 @@ def test_images_in_flight_are_bounded(served, oai):
     _, prompt = expand_images([media.image_token_id], [image], media.image_token_id)
     limit = media.live_bytes
     try:
-        media.live_bytes = image.pixels.nbytes  # room for one such image
+        media.live_bytes = image.nbytes  # room for one such image
         first = media.hold(prompt)
         with pytest.raises(APIError) as err:
             media.hold(prompt)
