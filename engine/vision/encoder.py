@@ -43,7 +43,9 @@ class VisionBlock(nn.Module):
         n, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, dim // self.heads).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        # [1, H, N, D]: four dimensions, so CUDA takes a flash / memory-efficient kernel (no N x N scores)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)[0]
         x = x + self.proj(out.transpose(0, 1).reshape(n, dim))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
