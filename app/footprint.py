@@ -73,6 +73,7 @@ class Settings:
     page_size: int = 16
     kv_elt: float | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8, 0.5 for 4bit (None: elt)
     state_elt: int = 4  # bytes of a GDN recurrent state element: 2 for --state-dtype bf16 / fp16
+    vision: bool = False  # --vision: the vision tower and its largest image's activations
 
     @property
     def kv_tokens(self) -> int:
@@ -102,6 +103,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         "workspace": workspace,
         "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE if s.cuda else 0,
         "cuda_context": CUDA_CONTEXT if s.cuda else 0,
+        "vision": (shape.vision_params + shape.vision_activations) * s.elt if s.vision else 0,
     }
     return parts
 

@@ -156,7 +156,7 @@ def resolve(opts: LaunchOptions, settings: AppSettings | None = None, probe_resu
         lanes=given.max_concurrency or opts.concurrency or (settings.concurrency if settings else None),
         context=given.max_context or opts.context or (settings.context if settings else None),
         drafts=opts.drafts if "drafts" in opts.given else (settings.drafts if settings else None),
-        prefill_chunk=given.prefill_chunk, weights=opts.weights,
+        prefill_chunk=given.prefill_chunk, weights=opts.weights, vision=bool(getattr(given, "vision", None)),
     )
     shape = load_shape(model)
     plan = make_plan(shape, device, want, load_presets())

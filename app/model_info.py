@@ -40,6 +40,10 @@ class ModelShape:
     quant_bits: int | None = None  # 4 / 8 when the checkpoint itself is quantised
     gguf: bool = False
     quant_method: str | None = None  # its quantization_config's quant_method ("gptq", "awq", "fp8")
+    # the vision tower (``model.visual.*``, loaded only with --vision): its parameters, and the
+    # activations its largest image (``max_pixels``) holds at once, in elements
+    vision_params: int = 0
+    vision_activations: int = 0
 
     @property
     def dense(self) -> bool:
@@ -119,13 +123,38 @@ def count_mtp_params(c: ModelConfig, layers: int, gated_attention: bool) -> Para
     return ParamCounts(2 * h * h + layers * (am + mm), 0, 3 * h + layers * (ao + mo + 2 * h))
 
 
+DEFAULT_MAX_PIXELS = 16 << 20  # Qwen3.5's preprocessor_config.json: size.longest_edge
+
+
+def count_vision(cfg: dict[str, Any], max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """``(parameters, activation elements)`` of a checkpoint's vision tower (``vision_config``;
+    ``engine/vision/encoder.py``): patch embedding, learned positions, ``depth`` blocks (two
+    LayerNorms, qkv and output projections, a two-layer MLP), the merger; the activations of an
+    image of ``max_pixels``: per patch the residual stream, its norm, q/k/v, the attention output
+    and the MLP's inner width twice (its input and its activation). (0, 0) without one."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict) or "hidden_size" not in v:
+        return 0, 0
+    d, inner, depth = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["depth"])
+    p, t, c = int(v["patch_size"]), int(v.get("temporal_patch_size", 2)), int(v.get("in_channels", 3))
+    merged = d * int(v.get("spatial_merge_size", 2)) ** 2
+    out = int(v["out_hidden_size"])
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * inner + inner) + (inner * d + d)
+    params = (c * t * p * p * d + d) + int(v["num_position_embeddings"]) * d + depth * block \
+        + 2 * d + (merged * merged + merged) + (merged * out + out)
+    patches = max_pixels // (p * p)
+    return params, patches * (6 * d + 2 * inner)
+
+
 # ---------------------------------------------------------------------------------- reading
-def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False) -> ModelShape:
+def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False,
+                    max_pixels: int = DEFAULT_MAX_PIXELS) -> ModelShape:
     config = ModelConfig.from_hf_dict(cfg)
     text = cfg.get("text_config") or cfg
     qwen = config.family in QWEN_FAMILIES
     gated = bool(text.get("attn_output_gate", qwen))
     mtp = int(text.get("mtp_num_hidden_layers", cfg.get("mtp_num_hidden_layers", 0)) or 0)
+    vision = count_vision(cfg, max_pixels)
     quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
     bits = quant.get("bits") or quant.get("w_bit")
     if bits is None and str(quant.get("quant_method", "")).lower() in ("fp8", "mxfp8"):
@@ -135,6 +164,7 @@ def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False
         mtp_params=count_mtp_params(config, mtp, gated), mtp_layers=mtp,
         quant_bits=int(bits) if bits else None, gguf=gguf,
         quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
+        vision_params=vision[0], vision_activations=vision[1],
     )
 
 
@@ -263,4 +293,7 @@ def _load_shape(model: str | None, _mtime: float | None) -> ModelShape:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with config.json")
-    return shape_from_dict(json.loads(cfg_path.read_text(encoding="utf-8")), path.resolve().name)
+    pre = path / "preprocessor_config.json"
+    size = json.loads(pre.read_text(encoding="utf-8")).get("size") or {} if pre.is_file() else {}
+    return shape_from_dict(json.loads(cfg_path.read_text(encoding="utf-8")), path.resolve().name,
+                           max_pixels=int(size.get("longest_edge") or DEFAULT_MAX_PIXELS))

@@ -5,7 +5,7 @@ import asyncio
 import uuid
 import weakref
 from collections import deque
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from .engine_config import EngineConfig
 from .loop import EngineFailedError, EngineLoop
@@ -107,12 +107,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
         checkpoints: list[int] | None = None, checkpoint_answer: bool = True,
-        forks: int = 0, fork_of: str | None = None,
+        forks: int = 0, fork_of: str | None = None, media: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the iteration early cancels the request. Outputs that
         pile up while the caller is busy come as one (``_Stream``). ``checkpoints``,
         ``checkpoint_answer``: where prefix checkpoints are kept; ``forks``, ``fork_of``: several
-        choices of one prompt (``Request``)."""
+        choices of one prompt (``Request``); ``media``: the prompt's images (``vision/media.py``)."""
         if self.outstanding >= self.capacity:
             raise EngineError(f"server is at capacity ({self.capacity} outstanding requests); retry later",
                               "server_overloaded")
@@ -132,6 +132,7 @@ class AsyncEngine:
             checkpoint_answer=checkpoint_answer,
             forks=forks,
             fork_of=fork_of,
+            media=media,
         )
 
         def sink(out: RequestOutput) -> None:

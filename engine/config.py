@@ -58,6 +58,13 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # multimodal (``Qwen3_5ForConditionalGeneration``): the interleaved M-RoPE sections (t, h, w),
+    # the vision tower's config (``vision_config``) and the placeholder token ids
+    mrope_section: list[int] | None = None
+    vision: dict[str, Any] | None = field(default=None, repr=False)
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
     # multi-token prediction layers after the stack (Qwen3.5 ``mtp_num_hidden_layers``, Qwen3-Next
     # ``num_nextn_predict_layers``): ``mtp.*`` weights, run by ``--spec mtp`` (``models/mtp.py``)
     mtp_layers: int = 0
@@ -168,6 +175,12 @@ class ModelConfig:
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             decoder_sparse_step=int(get("decoder_sparse_step", 1)),
             mlp_only_layers=list(get("mlp_only_layers", [])),
+            mrope_section=list(rope_params["mrope_section"]) if rope_params.get("mrope_section") else
+            ([11, 11, 10] if family in ("qwen3_5", "qwen3_5_moe") else None),
+            vision=dict(top["vision_config"]) if isinstance(top.get("vision_config"), dict) else None,
+            image_token_id=top.get("image_token_id"),
+            vision_start_token_id=top.get("vision_start_token_id"),
+            vision_end_token_id=top.get("vision_end_token_id"),
             mtp_layers=int(get("mtp_num_hidden_layers", get("num_nextn_predict_layers", 0))),
             bos_token_id=get("bos_token_id"),
             eos_token_ids=eos_ids,

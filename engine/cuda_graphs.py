@@ -207,7 +207,10 @@ class CudaGraphDecoder:
 
     def fits(self, reqs: list[Request]) -> bool:
         """Whether a captured graph can run this decode batch."""
-        return self.bucket(len(reqs)) is not None and all(len(r.cache.pages) <= self.max_pages for r in reqs)
+        # a request with images: its positions are offset from its indices (``vision/media.py``),
+        # which the graph's in-place position advance does not know
+        return self.bucket(len(reqs)) is not None and all(len(r.cache.pages) <= self.max_pages and r.media is None
+                                                          for r in reqs)
 
     def run(self, reqs: list[Request], ids: torch.Tensor | None = None,
             follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -118,6 +118,7 @@ class LLMEngine:
     def _new_counters(self) -> EngineCounters:
         counters = EngineCounters()
         counters.spec_enabled = self.drafter is not None
+        self.runner.counters = counters  # the runner counts the images it encodes there
         return counters
 
     def idle_work(self) -> bool:
@@ -143,6 +144,11 @@ class LLMEngine:
         bias = request.params.logit_bias
         if bias and max(bias) >= limit:
             raise ValueError(f"logit_bias token id {max(bias)} is out of range [0, {limit})")
+        if request.media is not None and self.model.vision_tower is None:
+            raise ValueError("the request has images and the model runs without its vision tower (--vision)")
+        if request.media is not None and request.media.length != len(ids):
+            raise ValueError(f"the request's image positions cover {request.media.length} tokens of a "
+                             f"{len(ids)}-token prompt")
         if request.request_id in self._processors:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         marks = request.checkpoints
@@ -270,12 +276,12 @@ class LLMEngine:
             if req.draft and len(req.draft) + 1 == n:  # verifying a draft: where it ends is known after the read
                 continue
             if at in req.checkpoints:
-                kept = self.caches.checkpoint(req.cache, req.all_ids[:at])
+                kept = self.caches.checkpoint(req.cache, req.key_ids[:at])
                 if kept is not None:
                     self.caches.drop(req.anchor)
                     req.anchor = None
             elif every and at % every == 0 and at < len(req.prompt_ids) and self.caches.prefix is not None:
-                kept = self.caches.checkpoint(req.cache, req.all_ids[:at])
+                kept = self.caches.checkpoint(req.cache, req.key_ids[:at])
                 if kept is not None:
                     kept.anchor = True
                     self.caches.drop(req.anchor)
@@ -479,7 +485,7 @@ class LLMEngine:
             if req.checkpoint_answer and req.output_ids and req.num_computed > len(req.prompt_ids):
                 # where the answer ends (all but its last token computed, or all when a step
                 # launched ahead ran it): queued behind every step that wrote this sequence
-                self.caches.checkpoint(req.cache, req.all_ids[: req.num_computed])
+                self.caches.checkpoint(req.cache, req.key_ids[: req.num_computed])
             self.caches.drop(req.anchor)  # its prompt is done: nobody resumes from part of it
             req.anchor = None
         self.scheduler.remove(req)

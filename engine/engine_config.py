@@ -73,6 +73,8 @@ class EngineConfig:
     # in fp32 by the layers either way, stored rounded to it once per step (bf16 / fp16 halve the
     # slots' and the prefix checkpoints' bytes)
     state_dtype: str = "fp32"
+    # load the checkpoint's vision tower and take requests with images (``vision/``)
+    vision: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -133,6 +135,9 @@ class EngineConfig:
                 raise ValueError(f"kv_dtype {self.kv_dtype!r} needs a head_dim that is even and a multiple of "
                                  f"{KV4_GROUP} (or below it); this model's is {model.head_dim}: use int8 or fp8"
                                  ) from None
+        if self.vision and (model.vision is None or model.image_token_id is None):
+            raise ValueError(f"vision needs a checkpoint with a vision tower (vision_config, model.visual.*), "
+                             f"which this {model.family} model does not have: serve it without --vision")
         limit = max_prefill_chunk(model)
         for name, value, flag in (("prefill_chunk", self.prefill_chunk, "--prefill-chunk"),
                                   ("max_batched_tokens", self.step_tokens, "--max-batched-tokens")):

@@ -73,6 +73,9 @@ class Request:
     fork_of: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from a prefix checkpoint at admission
     reuse: dict[str, str] | None = None  # that checkpoint's tier ("gpu" | "host") and kind ("turn" | "anchor")
+    # the prompt's images (``vision/media.py``: where their placeholders lie, their embeddings once
+    # encoded, the prompt's M-RoPE positions and the offset of the positions after it), or None
+    media: Any = None
     pooled: Any = None  # Pooled (pooling.py): the hidden states an embedding request has gathered
     # speculative decoding (``spec.py``): the tokens proposed to follow ``output_ids``, run in the
     # step the scheduler plans them for and kept as far as the model agrees; the drafter's index
@@ -89,6 +92,17 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_prompt(self) -> list[int]:
+        """The prompt's ids as the prefix cache compares them (images keyed by their digest:
+        ``MediaPrompt.keyed``)."""
+        return self.prompt_ids if self.media is None else self.media.keyed(self.prompt_ids)
+
+    @property
+    def key_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache compares them (``key_prompt``)."""
+        return self.all_ids if self.media is None else self.key_prompt + self.output_ids
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)

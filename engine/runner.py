@@ -116,6 +116,8 @@ class ModelRunner:
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
+        self.images_encoded = 0  # images run through the vision tower
+        self.counters = None  # the engine's EngineCounters, which count them too
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
@@ -220,6 +222,7 @@ class ModelRunner:
         """Any step, eager: one forward over every row, the logits of the rows that reach their
         next token only (of every position of a row that verifies a draft); embedding requests' hidden rows to their ``Pooled`` (an embedding
         request never decodes, so it is never in a decode step)."""
+        self._encode_images(plan)
         step = build_step(plan, self.caches, self.device)
         hidden = self.model(step.input_ids, step.batch)
         at, rows = 0, []
@@ -229,12 +232,33 @@ class ModelRunner:
                 req.pooled.add(hidden[at : at + n], req.num_computed)
             at += n
             req.num_computed += n
+            if req.media is not None:  # an image wholly computed needs its embeddings no more
+                for im in req.media.images:
+                    if im.end <= req.num_computed:
+                        im.embeds = None
         logits = sampled_logits(self.model, hidden[step.sample_index], self.vocab) if step.sampled else None
         launched = self._launched(plan, step.sampled, logits, decode=False, widths=step.widths)
         launched.verify = step.batch.step.verify
         if self.keep_hidden:
             launched.hidden, launched.rows = hidden, rows
         return launched
+
+    def _encode_images(self, plan: list[tuple[Request, int]]) -> None:
+        """Run the vision tower over each image whose tokens this step computes and that has no
+        embeddings yet (an image split over chunks is encoded once, with its first chunk)."""
+        for req, n in plan:
+            if req.media is None:
+                continue
+            for im in req.media.overlapping(req.num_computed, req.num_computed + n):
+                if im.embeds is None:
+                    tower = self.model.vision_tower
+                    if tower is None:
+                        raise RuntimeError("a request with images, and the model has no vision tower (--vision)")
+                    im.embeds = tower.encode(im.image)
+                    req.media.encoded += 1
+                    self.images_encoded += 1
+                    if self.counters is not None:
+                        self.counters.images_encoded += 1
 
 
 def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> torch.Tensor:

@@ -143,7 +143,7 @@ class Scheduler:
                 self.stats.restored += 1
             else:
                 # a prefix checkpoint to go on from (not for embeddings: they pool every prompt token)
-                start = None if req.pooled is not None else self.caches.continuation(req.all_ids)
+                start = None if req.pooled is not None else self.caches.continuation(req.key_ids)
                 done = 0 if start is None else start.length
                 first = done + min(req.num_tokens - done, self.config.prefill_chunk)
                 decoding = sum(r.status is Status.DECODE for r in self.running)
@@ -184,13 +184,13 @@ class Scheduler:
                 # prompt token begins (a checkpoint the first keeps, ``Request.forks``)
                 first = next((r for r in self.running if r.request_id == req.fork_of), None)
                 n = len(req.prompt_ids) - 1
-                if first is not None and n > 0 and first.prompt_ids == req.prompt_ids and n in first.checkpoints:
+                if first is not None and n > 0 and first.key_prompt == req.key_prompt and n in first.checkpoints:
                     req.shares = (first, n)
             elif self.caches.prefix is not None and req.pooled is None and len(req.prompt_ids) > self.SHARED_PREFIX_MIN:
                 best = 0
                 for other in self.running:
                     if other.status is Status.PREFILL:
-                        n = min(common_prefix(req.prompt_ids, other.prompt_ids), len(req.prompt_ids) - 1)
+                        n = min(common_prefix(req.key_prompt, other.key_prompt), len(req.prompt_ids) - 1)
                         if n >= self.SHARED_PREFIX_MIN and n > best and other.num_computed < n:
                             best, req.shares = n, (other, n)
                 if req.shares:

@@ -32,6 +32,7 @@ class EngineCounters:
         self.generation_tokens = 0
         self.decode_tokens = 0
         self.admitted_requests = 0
+        self.images_encoded = 0  # images run through the vision tower (not those inside a reused prefix)
         # speculative decoding (stays off and zero until a drafter exists): rounds of draft +
         # verify, drafted and accepted tokens, steps decoded without drafts, and per draft
         # position the rounds in which that position was accepted (a new tuple each update)

@@ -96,6 +96,8 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
     width = max((len(r.cache.pages) for r, _, _ in layout), default=1) or 1
     given, tokens = tokens, []
     positions, writes, slots, lens, tables = [], [], [], [], []
+    axes: list[torch.Tensor | None] = []  # per row, its M-RoPE positions where its request has images
+    embeds: list[tuple[int, torch.Tensor]] = []  # (flat index of the first, image rows) placed in the run
     cu, sample, sampled, widths, end = [0], [], [], [], 0
     for i, (req, start, n) in enumerate(layout):
         cache = req.cache
@@ -107,7 +109,19 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
                 tokens.append(req.draft[start - req.num_tokens])
             else:
                 tokens.extend(req.all_ids[start : start + n] if n > 1 else (req.token_at(start),))
-        positions.extend(range(start, start + n))
+        media = req.media
+        if media is None:
+            positions.extend(range(start, start + n))
+            axes.append(None)
+        else:  # past its prompt a position is its index plus the request's offset, on all three axes
+            rows3 = media.rows(start, n)
+            positions.extend(rows3[0].tolist())
+            axes.append(rows3)
+            for im in media.overlapping(start, start + n) if given is None else ():  # the MTP head's rows take none
+                lo, hi = max(start, im.start), min(start + n, im.end)
+                if im.embeds is None:
+                    raise RuntimeError("an image's tokens are in a step before the image is encoded")
+                embeds.append((end + lo - start, im.embeds[lo - im.start : hi - im.start]))
         if table:
             writes.extend(pool_row(table, p, page) for p in range(start, start + n))
         else:
@@ -170,6 +184,12 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
                     prompt=prompt, verify=verify)
     batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
+    if any(a is not None and not bool((a == a[0]).all()) for a in axes):  # image tokens: three-axis positions
+        batch.mrope = torch.cat([a if a is not None else torch.arange(s, s + k, dtype=torch.long)[None].expand(3, -1)
+                                 for a, (_, s, k) in zip(axes, layout)], dim=1).to(device)
+    if embeds:
+        index = torch.cat([torch.arange(at, at + rows.shape[0], dtype=torch.long) for at, rows in embeds]).to(device)
+        batch.embeds = (index, torch.cat([rows for _, rows in embeds]).to(device))
     return input_ids, batch, sample_t, sampled, widths if len(sample) > len(sampled) else None
 
 

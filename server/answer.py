@@ -35,13 +35,14 @@ async def answer(request: Request, state: ServerState, prompt_ids: list[int], pa
                  whole: Callable[[Outputs], Awaitable[Any]],
                  keepalive: Callable[[], str] | None = None,
                  omitted_tools: Sequence[str] = (),
-                 keep: Keep = Keep()) -> StreamingResponse | JSONResponse:
+                 keep: Keep = Keep(), media: Any = None) -> StreamingResponse | JSONResponse:
     """``frames(admitted, outputs)`` gives the SSE frames of a streamed answer, ``whole(outputs)``
     the JSON body of a complete one; ``keepalive()`` the API's idle frame (default: a comment);
-    ``omitted_tools`` are named in a header; ``keep``: where prefix checkpoints are kept."""
+    ``omitted_tools`` are named in a header; ``keep``: where prefix checkpoints are kept;
+    ``media``: the prompt's images (``server/media.py``)."""
     return await answer_choices(request, state, prompt_ids, params, request_id, 1, stream,
                                 lambda admitted, outputs: frames(admitted[0], outputs[0]),
-                                lambda outputs: whole(outputs[0]), keepalive, omitted_tools, keep)
+                                lambda outputs: whole(outputs[0]), keepalive, omitted_tools, keep, media)
 
 
 async def answer_choices(request: Request, state: ServerState, prompt_ids: list[int], params: SamplingParams,
@@ -50,11 +51,11 @@ async def answer_choices(request: Request, state: ServerState, prompt_ids: list[
                          whole: Callable[[list[Outputs]], Awaitable[Any]],
                          keepalive: Callable[[], str] | None = None,
                          omitted_tools: Sequence[str] = (),
-                         keep: Keep = Keep()) -> StreamingResponse | JSONResponse:
+                         keep: Keep = Keep(), media: Any = None) -> StreamingResponse | JSONResponse:
     """``answer`` for ``n`` choices of one prompt (``choices.py``): ``frames`` and ``whole`` get
     one admission output and one iterator per choice."""
     admitted, outputs = await cancel_on_disconnect(
-        request, start_choices(state, prompt_ids, params, request_id, n, keep))
+        request, start_choices(state, prompt_ids, params, request_id, n, keep, media))
     if stream:
         return name_omitted_tools(sse_response(frames(admitted, outputs), state.keepalive_s, keepalive),
                                   omitted_tools)

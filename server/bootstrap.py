@@ -163,7 +163,20 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         ngram_max=args.ngram_max,
         kv_dtype=args.kv_dtype,
         state_dtype=args.state_dtype,
+        vision=args.vision,
     )
+
+
+def media_settings(args: argparse.Namespace, ckpt: Checkpoint, config: EngineConfig):
+    """How requests' images are read (``server/media.py``): None without --vision."""
+    if not config.vision:
+        return None
+    from .media import MediaSettings
+
+    if args.media_live_mib <= 0:
+        raise ValueError(f"--media-live-mib must be > 0, got {args.media_live_mib}")
+    return MediaSettings(ckpt.image_processor, ckpt.config.image_token_id, allow_remote=args.allow_remote_media,
+                         live_bytes=int(args.media_live_mib * (1 << 20)))
 
 
 def host_cache_mib(value: str, device: str) -> int:
@@ -198,8 +211,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
 def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
-    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp"),
-                     tokenizer, config)
+    return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
+                                vision=config.vision), tokenizer, config)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -242,6 +255,7 @@ def assemble_state(args: argparse.Namespace, ckpt: Checkpoint, loop: EngineLoop 
         generation=ckpt.generation,
         api_key=args.api_key,
         pooling=ckpt.pooling,
+        media=media_settings(args, ckpt, config),
         **gateway_settings(args),
     )
     state.observability = observability.setup(args, state)

@@ -41,15 +41,15 @@ async def all_of(work: Sequence[Awaitable[Any]]) -> list[Any]:
 
 
 async def start_choices(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                        n: int, keep: Keep = Keep()) -> tuple[list[RequestOutput], list[Outputs]]:
+                        n: int, keep: Keep = Keep(), media: Any = None) -> tuple[list[RequestOutput], list[Outputs]]:
     """Submit ``n`` choices (in order: the first is submitted first) and wait for each one's
     admission; the admission outputs and the iterators of the rest. If one is refused, those
     already admitted are cancelled."""
     if n == 1:
-        admitted, outputs = await start(state, prompt_ids, params, request_id, keep)
+        admitted, outputs = await start(state, prompt_ids, params, request_id, keep, media=media)
         return [admitted], [outputs]
     started = [start(state, prompt_ids, replace(params, seed=choice_seed(params.seed, i)), choice_id(request_id, i),
-                     keep, forks=n - 1 if i == 0 else 0, fork_of=None if i == 0 else request_id)
+                     keep, forks=n - 1 if i == 0 else 0, fork_of=None if i == 0 else request_id, media=media)
                for i in range(n)]
     tasks = [asyncio.ensure_future(s) for s in started]
     try:

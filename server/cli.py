@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spec ngram: the shortest suffix of the sequence looked up (default 1)")
     p.add_argument("--ngram-max", type=int, default=3, metavar="N",
                    help="--spec ngram: the longest suffix looked up, tried first (default 3)")
+    p.add_argument("--vision", action="store_true",
+                   help="load the checkpoint's vision tower (Qwen3.5 / 3.6: model.visual.*) and take images in "
+                        "requests (data URIs / base64); off by default: no memory spent on it")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="with --vision, let requests name images by http(s) URL, fetched by the server "
+                        "(10 s, 32 MiB at most); off by default: such a request is a 400")
+    p.add_argument("--media-live-mib", type=float, default=1024,
+                   help="with --vision, the preprocessed images the requests in flight may hold together; one "
+                        "that would pass it is refused with 429 (default 1024)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(one interpreter lock for both: slower with many streams)")

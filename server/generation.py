@@ -23,6 +23,7 @@ from ..engine.frontend.tool_parser import ToolSpec
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParamError, SamplingParams, ThinkingControl
 from .errors import APIError, engine_error, invalid, unsupported
+from .media import expand, images_of
 from .state import ServerState
 
 # Qwen's early-close guidance, committed when a thinking budget runs out; ends with the close marker.
@@ -75,6 +76,7 @@ class Prepared:
     starts_in_reasoning: bool  # the prompt ends inside an open <think>
     tools: list[ToolSpec] = field(default_factory=list)  # functions the output may call
     keep: Keep = Keep()  # where prefix checkpoints are kept
+    media: Any = None  # the prompt's images (MediaPrompt, ``server/media.py``), or None
 
 
 def template_options(state: ServerState, kwargs: Mapping[str, Any] | None, typed: Mapping[str, Any],
@@ -345,33 +347,40 @@ def prepare(state: ServerState, messages: list[dict[str, Any]], *, tools: list[d
     """Render, tokenize and check one chat request; ``tools`` are rendered in the prompt,
     ``tool_specs`` are what the output parser may turn into calls."""
     sampling = sampling or Sampling()
+    images = images_of(state, messages)  # decoded and preprocessed here, on a worker thread
     text, ids, marks = rendered_prompt(state, messages, tools, options or {}, prompt_param, fit=True)
+    ids, media, marks = expand(state, ids, images, marks)
     check_prompt(state, ids, prompt_param)
     max_tokens = state.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
     starts, control = thinking_control(state, text, len(ids), max_tokens, thinking_budget, budget_param)
     params = sampling_params(state, sampling, control)
-    return Prepared(text, ids, params, starts, list(tool_specs), keep_for(state, marks, options or {}))
+    return Prepared(text, ids, params, starts, list(tool_specs), keep_for(state, marks, options or {}), media)
 
 
 async def run(state: ServerState, prompt_ids: list[int], params: SamplingParams,
               request_id: str, keep: Keep = Keep(), forks: int = 0,
-              fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+              fork_of: str | None = None, media: Any = None) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, engine errors as HTTP errors; ``forks``,
-    ``fork_of``: one choice of several (``choices.py``)."""
+    ``fork_of``: one choice of several (``choices.py``); ``media``: the prompt's images."""
     at = None if keep.at is None else list(keep.at)
+    held = state.media.hold(media) if media is not None and state.media is not None else 0
     try:
-        async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer, forks, fork_of):
+        async for out in state.engine.generate(prompt_ids, params, request_id, at, keep.answer, forks, fork_of,
+                                               media):
             yield out
     except EngineError as exc:
         raise engine_error(exc) from exc
+    finally:
+        if held:
+            state.media.release(held)
 
 
 async def start(state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                keep: Keep = Keep(), forks: int = 0,
-                fork_of: str | None = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+                keep: Keep = Keep(), forks: int = 0, fork_of: str | None = None,
+                media: Any = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Submit and wait for admission; return the admission output and the iterator of the rest.
     ``keep``: where the engine keeps prefix checkpoints."""
-    outputs = run(state, prompt_ids, params, request_id, keep, forks, fork_of)
+    outputs = run(state, prompt_ids, params, request_id, keep, forks, fork_of, media)
     first = await anext(outputs)
     if not first.admitted:
         raise RuntimeError("engine published output before admission")

@@ -63,6 +63,7 @@ class ServerState:
     responses: Any = None  # ResponseStore (server/openai_responses/store.py)
     reasoning_seal: Any = None  # ReasoningSeal (server/openai_responses/sealing.py): encrypted_content
     strict_tools: bool = False  # --strict-tools: refuse hosted Responses tools instead of leaving them out
+    media: Any = None  # MediaSettings (server/media.py) with --vision: images in requests; None: refused
     pooling: str = "mean"  # embeddings' pooling when a request names none (the checkpoint's, Checkpoint.pooling)
     observability: Any = None  # Observability hub (server/observability), set by bootstrap
     workers: PrepareWorkers = field(default_factory=PrepareWorkers)  # body parsing, templates, tokenizing

@@ -130,10 +130,11 @@ class Attention(NormFusedInput, nn.Module):
     def _from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """From the projections ``[N, *]`` to the output projection's result ``[N, hidden]``."""
         n = q.shape[0]
+        positions = batch.positions if batch.mrope is None else batch.mrope
         if batch.step is not None:
-            out = self._over_pools(q, k, v, batch.positions, batch.step)
+            out = self._over_pools(q, k, v, positions, batch.step)
             return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
-        q, k, v, gate = self._prepare(q, k, v, batch.positions)
+        q, k, v, gate = self._prepare(q, k, v, positions)
         parts = []
         for (start, end), cache in zip(batch.slices, batch.caches):
             keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
@@ -167,7 +168,7 @@ class Attention(NormFusedInput, nn.Module):
         Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
         path is its reference."""
         k_pages, v_pages, k_scale, v_scale = meta.kv.layer(meta.attn_ordinal[self.layer_idx])
-        if on_triton(q) and k_scale is None:
+        if on_triton(q) and k_scale is None and positions.dim() == 1:  # three-axis positions: the torch path
             gate = self._gate(q)
             q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         else:  # the torch path; one-byte pages take it on the GPU too, for the keys' rotation

@@ -3,6 +3,12 @@
 Frequencies ``base ** (-2i / rotary_dim)`` for ``i < rotary_dim / 2``, optionally rescaled
 (``linear`` or ``llama3``). The pair for frequency ``i`` is dims ``(i, i + rotary_dim/2)`` of the
 rotated part; dims past ``rotary_dim`` (partial rotary, Qwen3.5) pass through unchanged.
+
+Multimodal RoPE (Qwen3.5's interleaved M-RoPE, ``mrope_section`` = (t, h, w)): a token has three
+positions (time, height, width); frequency ``i`` takes the height position where ``i % 3 == 1``
+and ``i < 3 * h``, the width one where ``i % 3 == 2`` and ``i < 3 * w``, the time one otherwise.
+Text tokens have the same position on the three axes, which is plain RoPE: only the steps that
+hold image tokens pass positions ``[3, N]``.
 """
 from __future__ import annotations
 
@@ -50,6 +56,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
 
 
+def mrope_axes(freqs: int, section: list[int] | None) -> torch.Tensor:
+    """Per frequency, the axis (0 time, 1 height, 2 width) its position comes from: interleaved
+    sections (``mrope_section`` (t, h, w); None: every frequency on the time axis)."""
+    axis = [0] * freqs
+    if section:
+        for i in range(freqs):
+            if i % 3 == 1 and i < 3 * section[1]:
+                axis[i] = 1
+            elif i % 3 == 2 and i < 3 * section[2]:
+                axis[i] = 2
+    return torch.tensor(axis, dtype=torch.long, device="cpu")  # not a buffer: see RotaryEmbedding
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of q ``[N, H, D]`` and k ``[N, Hkv, D]`` by position.
 
@@ -65,6 +84,7 @@ class RotaryEmbedding(nn.Module):
         base: float,
         rope_scaling: dict[str, Any] | None = None,
         max_positions: int = 4096,
+        mrope_section: list[int] | None = None,
     ) -> None:
         super().__init__()
         if not 0 < rotary_dim <= head_dim:
@@ -75,12 +95,14 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)  # not a buffer: see class doc
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self.mrope_axis = mrope_axes(rotary_dim // 2, mrope_section)
+        self._axis_by_device: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def from_config(cls, config) -> "RotaryEmbedding":
         """The rotary embedding a ``ModelConfig`` describes (partial rotation included)."""
         return cls(config.head_dim, int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
-                   config.rope_scaling, config.max_position_embeddings)
+                   config.rope_scaling, config.max_position_embeddings, config.mrope_section)
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """The fp32 inverse frequencies ``[rotary_dim // 2]`` on ``device`` (copied once)."""
@@ -90,8 +112,15 @@ class RotaryEmbedding(nn.Module):
         return inv_freq
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``cos`` and ``sin``, each ``[N, rotary_dim // 2]``, for ``positions`` ``[N]``."""
+        """fp32 ``cos`` and ``sin``, each ``[N, rotary_dim // 2]``, for ``positions`` ``[N]``, or
+        ``[3, N]`` (time, height, width: multimodal RoPE)."""
         inv_freq = self.inv_freq_on(positions.device)
+        if positions.dim() == 2:
+            axis = self._axis_by_device.get(positions.device)
+            if axis is None:
+                axis = self._axis_by_device[positions.device] = self.mrope_axis.to(positions.device)
+            angles = positions.float()[axis].t() * inv_freq[None, :]  # [N, F]: each frequency's own axis
+            return angles.cos(), angles.sin()
         angles = positions.float()[:, None] * inv_freq[None, :]
         return angles.cos(), angles.sin()
 

@@ -42,14 +42,16 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
-               weights: str = "auto", mtp: bool = False) -> CausalLM:
+               weights: str = "auto", mtp: bool = False, vision: bool = False) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
     (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0, GPTQ / AWQ
     projections) stay quantized where a linear method on ``device`` takes them
     (``placed_quantized``); "int8" / "int4" quantize the projections at load
     (``quantized_at_load``). ``mtp``: with the checkpoint's MTP head (``models/mtp.py``, for
-    ``--spec mtp``); without it ``model.config.mtp_layers`` is 0."""
+    ``--spec mtp``); without it ``model.config.mtp_layers`` is 0. ``vision``: with the
+    checkpoint's vision tower as ``model.visual`` (``vision/encoder.py``, for ``--vision``; held
+    in ``dtype``, never quantized); without it ``model.visual`` is None."""
     from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
@@ -73,6 +75,15 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     else:
         tensors = source
     model.load_weights(tensors)
+    if vision:
+        if ckpt.vision_weights is None:
+            raise ValueError(f"{ckpt.source} has no vision tower (model.visual.* and vision_config): "
+                             "serve it without --vision")
+        from ..vision.encoder import VisionEncoder
+
+        visual = VisionEncoder(config.vision)
+        visual.load_weights(ckpt.vision_weights())
+        model.visual = visual.to(device=device, dtype=dtype).eval()
     model.eval()
     if torch.device(device).type == "cuda" or keep:
         # on the CPU only a checkpoint held quantized: one int4 product for q/k/v, one for gate/up

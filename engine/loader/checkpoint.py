@@ -59,3 +59,8 @@ class Checkpoint:
     # the MTP head's tensors (``mtp.*``, loaded by ``load_model(..., mtp=True)`` for ``--spec mtp``);
     # None when the checkpoint has none
     mtp_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
+    # the vision tower's tensors (``model.visual.*``, loaded by ``load_model(..., vision=True)``
+    # for ``--vision``) and the image processor's settings (``preprocessor_config.json``); None
+    # when the checkpoint has none
+    vision_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
+    image_processor: Any = None

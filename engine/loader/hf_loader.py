@@ -1,8 +1,9 @@
 """Read a Hugging Face model directory: config, safetensors weights (lazily), tokenizer, defaults.
 
 Weight names are normalised to what the text models expect: ``model.language_model.X`` (saved by
-``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. Parts we do not run yet (MTP heads,
-vision towers) are skipped and reported once; any other tensor goes to the model's
+``Qwen3_5ForConditionalGeneration``) becomes ``model.X``. MTP heads and vision towers are left
+out of the main weights and reported once (read apart: ``Checkpoint.mtp_weights`` for --spec mtp,
+``vision_weights`` for --vision); any other tensor goes to the model's
 ``load_weights``, which rejects what it does not know.
 
 A pre-quantized checkpoint (``quantization_config``: FP8 block-wise, GPTQ, AWQ; ``hf_quant.py``)
@@ -35,6 +36,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # weight groups that belong to parts we do not run yet (checked on the names as saved)
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.")
 MTP_PREFIXES = ("mtp.", "model.mtp.")  # read apart, for --spec mtp (``Checkpoint.mtp_weights``)
+VISION_PREFIXES = ("model.visual.", "visual.")  # read apart, for --vision (``Checkpoint.vision_weights``)
 # a base model saved alone (Qwen3-Embedding's ``Qwen3Model``) has its stack's names without
 # ``model.``; tied, its LM head is its embedding
 _RENAMES = (("model.language_model.", "model."), ("embed_tokens.", "model.embed_tokens."),
@@ -91,6 +93,15 @@ def _opened(file: str):
             raise
         raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be an incomplete download") \
             from None
+
+
+def vision_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision tower's tensors, named as saved (``model.visual.*``)."""
+    for file, names in files.items():
+        with _opened(file) as f:
+            for name in names:
+                if name.startswith(VISION_PREFIXES):
+                    yield name, f.get_tensor(name)
 
 
 def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, plan: QuantPlan | None = None,
@@ -196,7 +207,9 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     files = weight_files(path)
     skipped = Counter(p for names in files.values() for p in map(skipped_prefix, names) if p)
     for prefix, count in skipped.items():
-        log.info("skipping %d tensors under %r (not run by this engine yet)", count, prefix)
+        why = ("read with --vision only" if prefix in VISION_PREFIXES else
+               "read with --spec mtp only" if prefix in MTP_PREFIXES else "not run by this engine yet")
+        log.info("skipping %d tensors under %r (%s)", count, prefix, why)
     plan = None
     names = [n for group in files.values() for n in group]
     mtp_layers = mtp_layer_count(names)
@@ -214,6 +227,12 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         tokenizer = HFTokenizer.from_dir(path)
         chat_template = chat_template_from_dir(path)
 
+    has_vision = config.vision is not None and any(n.startswith(VISION_PREFIXES) for n in names)
+    image_processor = None
+    if has_vision:
+        from ..vision.processor import ImageProcessor
+
+        image_processor = ImageProcessor.from_dir(path, config.vision)
     return Checkpoint(
         config=config,
         weights=lambda: iter_weights(files, quant, plan),
@@ -226,4 +245,6 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         skipped_prefixes=tuple(skipped),
         pooling=declared_pooling(path),
         mtp_weights=(lambda: iter_weights(files, quant, plan, mtp=True)) if mtp_layers else None,
+        vision_weights=(lambda: vision_weights(files)) if has_vision else None,
+        image_processor=image_processor,
     )

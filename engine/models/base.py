@@ -103,6 +103,11 @@ class ForwardBatch:
     caches: list[Any]  # one per sequence, in the same order: SequenceCache (reference path) or the rows'
     # PagedSequenceCache (``step``: the layers read the pools)
     step: StepMeta | None = None  # set for steps over the shared pools (the engine's every step)
+    # a step with image tokens: every token's three M-RoPE positions ``[3, N]`` (``positions``
+    # then still holds the time axis), and the image embeddings that replace the placeholders'
+    # token embeddings: (flat token indices [M], rows [M, hidden])
+    mrope: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -164,6 +169,9 @@ class PreNormStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if batch.embeds is not None:  # image tokens: the vision tower's rows in place of the placeholders'
+            index, rows = batch.embeds
+            hidden = hidden.index_copy(0, index, rows.to(hidden.dtype))
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         return self.norm(hidden, residual)[0]
@@ -173,6 +181,12 @@ class CausalLM(nn.Module):
     """Interface of a decoder-only model. Subclasses build their layers from ``ModelConfig``."""
 
     config: ModelConfig
+    # ``visual``: the vision tower (``vision/encoder.py``), a submodule set by ``load_model`` with
+    # --vision (``vision_tower`` reads it)
+
+    @property
+    def vision_tower(self) -> nn.Module | None:
+        return self._modules.get("visual")
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` after the final norm for the flat token run.

@@ -5,9 +5,10 @@ layers (``self_attn``: ``q_proj`` emits [q | gate] per head, zero-centred q/k no
 RoPE). Every RMSNorm of the decoder is zero-centred (``1 + w``); the GDN output norm is the plain
 gated one inside that layer. The MLP is dense or a sparse MoE per ``config.is_moe_layer``.
 
-Text-only positions: the checkpoints' interleaved M-RoPE gives all three sections (t, h, w) the
-same position for text tokens, which is exactly plain RoPE on the rotated dims, so plain RoPE is
-used here (image/video positions would need the sectioned form).
+Positions: the checkpoints' interleaved M-RoPE gives all three sections (t, h, w) the same
+position for text tokens, which is exactly plain RoPE on the rotated dims; a step that holds image
+tokens (``--vision``, ``vision/``) passes each token's three positions (``ForwardBatch.mrope``) and
+the rotation takes each frequency's position from its section (``layers/rotary.py``).
 
 Names follow the checkpoints after the loader's prefix normalisation (``model.language_model.X``
 -> ``model.X``); per-expert tensors are fused on load. Qwen3-Next reuses this decoder with its

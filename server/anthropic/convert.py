@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import invalid, unsupported
 from ..generation import template_options
+from ..media import image_part
 from ..openai_common import FunctionTool, ToolUse, function_tool, unique_names
 from ..state import ServerState
 from . import context_edits
@@ -106,11 +107,12 @@ def _only(blocks: list[Block], kinds: tuple[str, ...], why: str) -> None:
 
 
 def _text_parts(blocks: list[Block]) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": b.text} for b in blocks]
+    """Template parts of text and image blocks (``server/media.py`` reads the images)."""
+    return [image_part(b.text, b.param) if b.type == "image" else {"type": "text", "text": b.text} for b in blocks]
 
 
 def _user_turn(blocks: list[Block], pending: list[Block], first: bool) -> list[dict[str, Any]]:
-    _only(blocks, ("text", "tool_result"), "a user turn holds text and tool results")
+    _only(blocks, ("text", "image", "tool_result"), "a user turn holds text, images and tool results")
     lead = 0
     while lead < len(blocks) and blocks[lead].type == "tool_result":
         lead += 1
@@ -143,7 +145,7 @@ def _user_turn(blocks: list[Block], pending: list[Block], first: bool) -> list[d
 
 
 def _tool_message(result: Block) -> dict[str, Any]:
-    parts = [{"type": p.type, "text": p.text} for p in result.parts]
+    parts = _text_parts(result.parts)
     if result.is_error:
         parts.insert(0, {"type": "text", "text": TOOL_ERROR_PREFIX})
     return {"role": "tool", "tool_call_id": result.id, "content": parts}

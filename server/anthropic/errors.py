@@ -26,7 +26,7 @@ TYPES = {
     529: "overloaded_error",
 }
 # engine error codes whose Anthropic status differs from the OpenAI one
-STATUS_BY_CODE = {"server_overloaded": 529, "request_queue_timeout": 504}
+STATUS_BY_CODE = {"server_overloaded": 529, "media_overloaded": 529, "request_queue_timeout": 504}
 
 
 def error_body(status: int, body: Any, request_id: str | None) -> tuple[int, dict[str, Any]]:

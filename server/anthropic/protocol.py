@@ -125,6 +125,20 @@ def cache_mark(raw: dict[str, Any], param: str) -> CacheMark | None:
     return CacheMark(ttl, at)
 
 
+def _image_source(source: Any, param: str) -> str:
+    if not isinstance(source, dict):
+        raise invalid(param, "an image block needs a 'source' object")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = _str(source.get("media_type"), f"{param}.media_type")
+        return f"data:{media_type};base64,{_str(source.get('data'), f'{param}.data')}"
+    if kind == "url":
+        return _str(source.get("url"), f"{param}.url")
+    if kind == "file":
+        raise unsupported(f"{param}.type", "uploaded files; send the image as base64")
+    raise invalid(f"{param}.type", "an image source is 'base64' or 'url'")
+
+
 def parse_block(raw: Any, param: str, nested: bool = False) -> Block:
     """One content block; ``nested``: inside a tool_result (text and image only)."""
     if not isinstance(raw, dict):
@@ -137,9 +151,8 @@ def parse_block(raw: Any, param: str, nested: bool = False) -> Block:
         if raw.get("citations"):
             raise unsupported(f"{param}.citations", "citations need document processing")
         return Block("text", param, text=_str(raw.get("text"), f"{param}.text"), cache=mark)
-    if kind == "image":
-        raise unsupported(param, "image input needs a vision model, which this server has not loaded",
-                          "vision_disabled")
+    if kind == "image":  # its source as a data URI (or URL) in ``text``, read by server/media.py
+        return Block("image", param, text=_image_source(raw.get("source"), f"{param}.source"), cache=mark)
     if nested:
         raise invalid(f"{param}.type", f"a tool_result may contain text and image blocks, not '{kind}'")
     if kind == "thinking":

@@ -24,7 +24,7 @@ async def messages(body: MessagesRequest, request: Request):
                         lambda admitted, outputs: serving.stream(prep, admitted, outputs),
                         lambda outputs: serving.complete(prep, outputs),
                         keepalive=lambda: sse_event("ping", {"type": "ping"}),
-                        omitted_tools=tools_left_out(state, prep.tools), keep=prep.keep)
+                        omitted_tools=tools_left_out(state, prep.tools), keep=prep.keep, media=prep.media)
 
 
 @router.post("/v1/messages/count_tokens")

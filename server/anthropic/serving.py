@@ -15,6 +15,7 @@ from ...engine.frontend.assistant_output import AssistantOutputParser, ContentTe
 from ...engine.frontend.tool_parser import ToolCall
 from ...engine.outputs import RequestOutput
 from ..errors import APIError
+from ..media import expand, images_of
 from ..generation import Sampling, check_prompt, keep_for, rendered_prompt, sampling_params, thinking_control
 from ..openai_common import check_model, new_id
 from ..state import ServerState
@@ -40,22 +41,28 @@ class Prompt:
     applied: list[dict[str, Any]]  # context edits, as ``context_management.applied_edits`` reports them
     original_tokens: int  # before the edits
     marks: tuple[int, ...] = ()  # where prefix checkpoints go in ``ids`` (``generation.rendered_prompt``)
+    media: Any = None  # the images (MediaPrompt), their placeholders expanded in ``ids``
 
 
 def build_prompt(state: ServerState, low: Lowered) -> Prompt:
     tools = [t.template for t in low.tools.tools]
-    ends: list[tuple[int, ...]] = []  # of each rendering; the last one's are the prompt's
+    # of each rendering (context edits may render several and keep one): its messages and marks
+    renderings: dict[int, tuple[list[int], list[dict[str, Any]], tuple[int, ...]]] = {}
 
     def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         text, ids, marks = rendered_prompt(state, messages, tools, low.options)
         if low.prefill is not None:
             text += low.prefill
             ids = state.tokenizer.encode(text)
-        ends.append(marks)
+        renderings[id(ids)] = (ids, messages, marks)  # the ids held: no other list takes their id
         return text, ids
 
     prompt = Prompt(*context_edits.apply(low.edits or [], low.messages, render))
-    prompt.marks = ends[-1] if ends else ()
+    _, messages, prompt.marks = renderings.get(id(prompt.ids), (None, low.messages, ()))
+    images = images_of(state, messages)  # those of the messages kept; on a worker thread, as the whole preparation
+    if images:
+        prompt.ids, prompt.media, marks = expand(state, prompt.ids, images, prompt.marks)
+        prompt.marks = marks or ()
     return prompt
 
 
@@ -89,6 +96,7 @@ class PreparedMessages:
                             grammar=low.tools.grammar())
         self.params = sampling_params(state, sampling, control)
         self.prompt_ids = ids
+        self.media = prompt.media
         self.keep = keep_for(state, tuple(m for m in prompt.marks if m <= len(ids)), low.options)
         self.tools = [t.spec for t in low.tools.tools]
         self.stop_sequences = set(req.stop_sequences or [])

@@ -85,6 +85,7 @@ class _EngineCollector:
         yield _counter("ninfer_generation_tokens", "Committed output tokens", c.generation_tokens)
         yield _counter("ninfer_decode_tokens", "Committed output tokens after each request's first",
                        c.decode_tokens)
+        yield _counter("ninfer_images_encoded", "Images run through the vision tower (--vision)", c.images_encoded)
 
         yield _counter("ninfer_spec_decode_rounds", "Speculative decoding rounds", c.spec_rounds)
         yield _counter("ninfer_spec_decode_draft_tokens", "Drafted tokens", c.spec_draft_tokens)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..errors import invalid, unsupported
 from ..generation import Sampling
 from ..logprobs import openai_logit_bias
+from ..media import image_part
 from ..state import ServerState
 from ..structured import request_grammar
 from ..openai_common import (FunctionTool, ToolUse, callable_tools, function_tool, normalize_stops,
@@ -181,13 +182,16 @@ class ChatCompletionRequest(BaseModel):
         elif part.type == "refusal" and role == "assistant":
             if part.refusal is None:
                 raise invalid(f"{at}.refusal", "a refusal part needs 'refusal'")
-        elif part.type in ("image_url", "video_url"):
+        elif part.type == "image_url" and role in ("user", "system", "developer", "tool"):
             media = extra.get(part.type)
             detail = media.get("detail") if isinstance(media, dict) else None
             if detail not in (None, "auto"):
                 raise unsupported(f"{at}.{part.type}.detail", "only 'auto' image detail")
-            raise unsupported(at, "image and video input need a vision model (start the server with --vision)",
-                              "vision_disabled")
+            url = media.get("url") if isinstance(media, dict) else media
+            if not isinstance(url, str):
+                raise invalid(f"{at}.image_url.url", "an image_url part needs 'image_url': {'url': <data URI>}")
+        elif part.type in ("image_url", "video_url"):
+            raise unsupported(at, f"'{part.type}' parts in {role} messages")
         elif part.type in ("input_audio", "file", "audio"):
             raise unsupported(at, f"'{part.type}' input is not supported")
         else:
@@ -213,7 +217,8 @@ class ChatCompletionRequest(BaseModel):
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
         for i, m in enumerate(self.messages):
-            msg: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role, "content": _text(m)}
+            msg: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role,
+                                   "content": _content(m, f"messages[{i}]")}
             if m.role == "assistant":
                 reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
                 if reasoning is not None:
@@ -243,6 +248,21 @@ class ChatCompletionRequest(BaseModel):
                         seed=self.seed, max_tokens=max_tokens, stop=list(self.stop or []), logprobs=self.top,
                         logit_bias=openai_logit_bias(state, self.logit_bias),
                         grammar=tools.grammar(request_grammar(self, self.response_format)))
+
+
+def _content(m: ChatMessage, at: str) -> str | list[dict[str, Any]]:
+    """The template content of a message: its text, or with images a list of text and image
+    parts (``server/media.py``)."""
+    if not isinstance(m.content, list) or not any(p.type == "image_url" for p in m.content):
+        return _text(m)
+    out: list[dict[str, Any]] = []
+    for j, p in enumerate(m.content):
+        if p.type == "image_url":
+            media = (p.model_extra or {}).get("image_url")
+            out.append(image_part(media.get("url") if isinstance(media, dict) else media, f"{at}.content[{j}]"))
+        else:
+            out.append({"type": "text", "text": p.text if p.type == "text" else (p.refusal or "")})
+    return out
 
 
 def _text(m: ChatMessage) -> str:

@@ -21,4 +21,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await answer_choices(request, state, p.prompt_ids, p.params, chat.id, chat.n, body.stream,
                                 lambda admitted, outputs: serving.stream(chat, admitted, outputs),
                                 lambda outputs: serving.complete(chat, outputs),
-                                omitted_tools=tools_left_out(state, p.tools), keep=p.keep)
+                                omitted_tools=tools_left_out(state, p.tools), keep=p.keep, media=p.media)

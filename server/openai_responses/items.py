@@ -10,6 +10,7 @@ import json
 from typing import Any, Callable, Iterable
 
 from ..errors import APIError, invalid, unsupported
+from ..media import image_part
 from ..openai_common import new_id
 
 ASSISTANT_PHASE = {"reasoning": 0, "message": 1, "function_call": 2}
@@ -20,11 +21,6 @@ ID_PREFIX = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_", "fun
 def engine_name(name: str, namespace: str | None) -> str:
     """The one name the model sees for a function: ``namespace.name`` inside a namespace."""
     return f"{namespace}.{name}" if namespace else name
-
-
-def _vision(at: str) -> APIError:
-    return unsupported(at, "image and video input need a vision model (start the server with --vision)",
-                       "vision_disabled")
 
 
 def _text_part(part: Any, at: str, role: str) -> dict[str, Any]:
@@ -41,11 +37,17 @@ def _text_part(part: Any, at: str, role: str) -> dict[str, Any]:
         if not isinstance(part.get("refusal"), str):
             raise invalid(f"{at}.refusal", "a refusal part needs string 'refusal'")
         return dict(part)
-    if kind in ("input_image", "input_video"):
+    if kind == "input_image" and role != "assistant":
         detail = part.get("detail")
         if detail not in (None, "auto"):
             raise unsupported(f"{at}.detail", "only 'auto' image detail")
-        raise _vision(at)
+        if part.get("file_id") is not None:
+            raise unsupported(f"{at}.file_id", "uploaded files; send the image as a data URI in 'image_url'")
+        if not isinstance(part.get("image_url"), str):
+            raise invalid(f"{at}.image_url", "an input_image part needs 'image_url' (a data URI)")
+        return {"type": "input_image", "image_url": part["image_url"], "detail": detail or "auto"}
+    if kind in ("input_image", "input_video"):
+        raise unsupported(at, f"'{kind}' input is not supported here")
     if kind in ("input_file", "input_audio"):
         raise unsupported(at, f"'{kind}' input is not supported")
     raise unsupported(f"{at}.type", f"content part type {kind!r} is not supported")
@@ -123,7 +125,7 @@ def _function_output(item: dict[str, Any], at: str) -> dict[str, Any]:
             raise invalid(f"{at}.output", "output parts must not be empty")
         output = [_text_part(p, f"{at}.output[{j}]", "tool") for j, p in enumerate(output)]
     elif not isinstance(output, str):
-        raise invalid(f"{at}.output", "output must be a string or an array of input_text parts")
+        raise invalid(f"{at}.output", "output must be a string or an array of input_text / input_image parts")
     out = {"id": item.get("id") or new_id("fco_"), "type": "function_call_output", "call_id": item["call_id"],
            "output": output, "status": "completed"}
     for key in ("name", "namespace"):
@@ -167,12 +169,21 @@ def _part_text(part: dict[str, Any]) -> str:
     return part.get("refusal", "") if part.get("type") == "refusal" else part.get("text", "")
 
 
-def _output_text(output: str | list[dict[str, Any]]) -> str:
-    return output if isinstance(output, str) else "".join(_part_text(p) for p in output)
+def _content(parts: str | list[dict[str, Any]], at: str, key: str = "content") -> str | list[dict[str, Any]]:
+    """A message's (or a function result's) template content: its text, or with images a list of
+    text and image parts (``server/media.py``; ``at``: where the Item was sent, ``key``: its parts)."""
+    if isinstance(parts, str):
+        return parts
+    if not any(p.get("type") == "input_image" for p in parts):
+        return "".join(_part_text(p) for p in parts)
+    return [image_part(p["image_url"], f"{at}.{key}[{j}]") if p.get("type") == "input_image"
+            else {"type": "text", "text": _part_text(p)} for j, p in enumerate(parts)]
 
 
-def to_messages(items: list[dict[str, Any]], instructions: str | None = None) -> list[dict[str, Any]]:
-    """Template messages for a canonical Item history (``instructions`` first, as a developer turn)."""
+def to_messages(items: list[dict[str, Any]], instructions: str | None = None, first_input: int = 0) -> list[dict[str, Any]]:
+    """Template messages for a canonical Item history (``instructions`` first, as a developer turn);
+    ``first_input``: the index of the request's first ``input`` Item in ``items`` (those before it
+    come from a previous response)."""
     messages: list[dict[str, Any]] = [{"role": "developer", "content": instructions}] if instructions else []
     turn: dict[str, Any] | None = None  # the assistant turn being gathered
     calls: dict[str, tuple[int, dict[str, Any]]] = {}  # call_id -> (order, call) of the last turn
@@ -216,11 +227,15 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None = None) ->
             raise APIError(400, "tool results must answer the turn's calls in a prefix of their order; a "
                            "missing earlier result cannot be represented", "input", "invalid_tool_history")
         for _, r in ordered:
-            messages.append({"role": "tool", "content": _output_text(r["output"]), "tool_call_id": r["call_id"]})
+            messages.append({"role": "tool", "content": _content(r["output"], sent[id(r)], "output"),
+                             "tool_call_id": r["call_id"]})
         results, calls = [], {}
 
-    for item in items:
+    sent: dict[int, str] = {}  # id(Item) -> where it was sent
+
+    for n, item in enumerate(items):
         kind = item["type"]
+        sent[id(item)] = f"input[{n - first_input}]" if n >= first_input else "previous_response_id"
         if kind in ASSISTANT_PHASE and (kind != "message" or item["role"] == "assistant"):
             close_results()
             phase = ASSISTANT_PHASE[kind]
@@ -243,7 +258,7 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None = None) ->
         else:
             close_turn()
             close_results()
-            messages.append({"role": item["role"], "content": "".join(_part_text(p) for p in item["content"])})
+            messages.append({"role": item["role"], "content": _content(item["content"], sent[id(item)])})
     close_turn()
     close_results()
     return messages

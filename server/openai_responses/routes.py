@@ -22,7 +22,7 @@ async def create(body: ResponsesRequest, request: Request):
     return await answer(request, state, p.prompt_ids, p.params, run.id, body.stream,
                         lambda _, outputs: serving.stream(run, outputs),
                         lambda outputs: serving.complete(run, outputs), keepalive=run.still_working,
-                        omitted_tools=run.omitted_tools, keep=p.keep)
+                        omitted_tools=run.omitted_tools, keep=p.keep, media=p.media)
 
 
 @router.post("/v1/responses/input_tokens")

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 from ...engine.frontend.assistant_output import AssistantOutputParser
 from ...engine.outputs import RequestOutput
 from ..errors import APIError, invalid
+from ..media import expand, images_of
 from ..generation import Sampling, check_prompt, prepare, render_prompt, template_options, tools_left_out
 from ..logprobs import TokenText, new_logprobs, openai_entries
 from ..openai_common import callable_tools, check_model, new_id
@@ -63,7 +64,7 @@ class PreparedResponse:
         self.options = template_options(state, kwargs, {"preserve_thinking": preserve,
                                                         "reasoning_effort": req.effort})
         self.preserve_thinking = self.options.get("preserve_thinking")
-        self.messages = to_messages(history, req.instructions)
+        self.messages = to_messages(history, req.instructions, len(self.context))
         self.req = req
 
 
@@ -72,6 +73,7 @@ def count_input_tokens(req: InputTokensRequest, state: ServerState) -> tuple[dic
     p = PreparedResponse(req, state)
     _, ids = render_prompt(state, p.messages, [t.template for t in p.tools], p.options, "input",
                            fit=True)
+    ids, _, _ = expand(state, ids, images_of(state, p.messages), None)  # the images' tokens counted
     check_prompt(state, ids, "input")
     left_out = p.omitted_tools + tools_left_out(state, [t.spec for t in p.tools])
     return {"object": "response.input_tokens", "input_tokens": len(ids)}, left_out

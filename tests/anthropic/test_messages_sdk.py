@@ -199,7 +199,8 @@ def test_history_shapes_reach_the_template(client, served):
     ({"tools": [{**WEATHER_TOOL, "strict": "yes"}]}, "strict"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools\\[0\\].type"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "vision"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "without vision"),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": str(i), "cache_control": {"type": "ephemeral"}} for i in range(5)]}]}, "at most 4"),
     ({"cache_control": {"type": "ephemeral", "ttl": "1h"}, "messages": [{"role": "user", "content": [

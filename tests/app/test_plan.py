@@ -174,3 +174,27 @@ def test_quantized_checkpoints_load_as_stored():
     assert make_plan(fp8, gpu(80)).settings.weights == "bf16"  # dequantized at load: counted in bf16
     with pytest.raises(DoesNotFit, match="quantized checkpoint"):
         make_plan(gptq, gpu(80), Want(weights="int8"))
+
+
+def test_vision_tower_counted_and_planned_with_vision():
+    """A ``Qwen3_5ForConditionalGeneration`` config: the tower's parameters are those of the
+    engine's built tower, and ``--vision`` plans its weights and its largest image's activations."""
+    from ninfer.app.model_info import count_vision
+    from ninfer.engine.vision.encoder import VisionEncoder
+
+    vision = dict(depth=3, hidden_size=48, intermediate_size=80, num_heads=4, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16, in_channels=3)
+    params, activations = count_vision({"vision_config": vision}, max_pixels=64 * 64)
+    assert params == sum(p.numel() for p in VisionEncoder(vision).parameters())
+    assert activations == (64 * 64 // 16) * (6 * 48 + 2 * 80)
+    assert count_vision(KNOWN["Qwen3.5-9B"]) == (0, 0)
+
+    cfg = {"model_type": "qwen3_5", "text_config": KNOWN["Qwen3.5-9B"],
+           "vision_config": dict(vision, depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                 out_hidden_size=4096, patch_size=16, num_position_embeddings=2304)}
+    shape = shape_from_dict(cfg, "Qwen3.5-9B-VL")
+    assert 0.4e9 < shape.vision_params < 0.5e9
+    without, with_vision = make_plan(shape, gpu(80), Want(lanes=1)), make_plan(shape, gpu(80), Want(lanes=1, vision=True))
+    assert without.parts["vision"] == 0
+    assert with_vision.parts["vision"] == (shape.vision_params + shape.vision_activations) * 2
+    assert "vision" in with_vision.describe()

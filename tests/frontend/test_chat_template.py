@@ -53,8 +53,12 @@ def test_content_parts(qwen: ChatTemplate) -> None:
     parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
     out = qwen.render([{"role": "user", "content": parts}], add_generation_prompt=False)
     assert out == "<|im_start|>user\nHello there<|im_end|>\n"
-    with pytest.raises(TemplateError, match="image_url"):
-        qwen.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    # an image part is its placeholder between the vision tokens (expanded by the server: server/media.py)
+    image = qwen.render([{"role": "user", "content": [{"type": "image", "image": "data:,"}, "Hi"]}],
+                        add_generation_prompt=False)
+    assert image == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+    with pytest.raises(TemplateError, match="input_audio"):
+        qwen.render([{"role": "user", "content": [{"type": "input_audio"}]}])
 
 
 def test_preserve_thinking(qwen: ChatTemplate) -> None:

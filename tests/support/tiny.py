@@ -94,6 +94,83 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
     return path
 
 
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # ids 3, 4, 5, 6
+VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 3, 4, 5, 6
+# as Qwen3.5's template renders content parts: an image part is its placeholder between the vision tokens
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+# the text rotation covers 4 frequency pairs: time, height, width, time (interleaved M-RoPE)
+TINY_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+# images of 16 .. 64 x 64 pixels map to 2 .. 16 x 16 patches
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 16 * 16, 64 * 64
+
+
+def save_tiny_qwen3_5_vl(path: Path, seed: int = 0, moe: bool = False, noise: float = 0.3):
+    """A 4-layer hybrid ``Qwen3_5ForConditionalGeneration`` (or its MoE variant) with a 2-block
+    vision tower (patches of 4 pixels, 2 x 2 merge), the vision special tokens in its tokenizer, a
+    chat template that renders image parts, and a ``preprocessor_config.json``. ``noise``: the
+    language model's added noise (0.3: loud, sharp distributions for the server tests; a parity
+    test takes less, so float rounding is not amplified past its tolerance). Returns
+    ``(path, model)``: the transformers model, the numerical reference."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path, extra_special=VISION_TOKENS)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": VL_CHAT_TEMPLATE}))
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=512, eos_token_id=2, rope_parameters=TINY_VL_ROPE,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )
+    ids = dict(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_ID,
+               vision_end_token_id=VISION_END_ID)
+    if moe:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(
+            transformers.Qwen3_5MoeConfig(text_config=text, vision_config=TINY_VISION, **ids))
+    else:
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config={**text, "intermediate_size": 96}, vision_config=TINY_VISION,
+                                       **ids))
+    _perturb(model, noise)
+    model.eval()
+    model.save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2,
+        size={"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS}).save_pretrained(path)
+    return path, model
+
+
+def tiny_png(width: int, height: int, seed: int = 0, noise: bool = False) -> bytes:
+    """A PNG of smooth random colours (``width`` x ``height``); ``noise``: of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    if noise:
+        img = Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+    else:
+        coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+        img = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
     """A 4-layer hybrid Qwen3-Next (fused GDN projections; layer 1 a dense MLP, the others sparse
     MoE with a shared expert)."""

@@ -17,6 +17,7 @@ const PATHS = {
   check: "M5 12l5 5 9-10",
   x: "M6 6l12 12M18 6L6 18",
   chat: "M4 5h16v11H9l-5 4z",
+  image: "M4 5h16v14H4zM4 16l5-5 4 4 2-2 5 5M15 9.5a1 1 0 1 0 0-.01",
 };
 
 export function icon(name, label = "") {

@@ -14,6 +14,7 @@ const ui = {
   app: $("app"), list: $("conv-list"), messages: $("messages"), input: $("input"), send: $("send"),
   stop: $("stop"), title: $("conv-title"), model: $("model"), banner: $("banner"), hints: $("hints"),
   settings: $("settings"), settingsForm: $("settings-form"), importFile: $("import-file"), toast: $("toast"),
+  attach: $("attach"), attachFile: $("attach-file"), attachments: $("attachments"),
 };
 
 const state = {
@@ -22,6 +23,7 @@ const state = {
   current: null,       // the conversation on screen (saved once it has a message)
   model: null,         // {id, context}
   running: null,       // {conv, msg, controller, el}
+  images: [],          // images attached to the message being written (data URIs)
 };
 
 // ---- model --------------------------------------------------------------------------------
@@ -195,12 +197,56 @@ function setBusy(busy) {
 
 function send() {
   const text = ui.input.value.trim();
-  if (!text || state.running) return;
+  if ((!text && !state.images.length) || state.running) return;
   ui.input.value = "";
   autosize();
   const conv = state.current;
-  conv.messages.push({ id: store.newId(), role: "user", content: text, created: Date.now() });
+  const msg = { id: store.newId(), role: "user", content: text, created: Date.now() };
+  if (state.images.length) msg.images = state.images;
+  state.images = [];
+  renderAttachments();
+  conv.messages.push(msg);
   generate(conv);
+}
+
+// ---- attached images ----------------------------------------------------------------------
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    try {
+      state.images.push(await readAsDataUrl(file));
+    } catch {
+      toast(`Could not read ${file.name || "the image"}`);
+    }
+  }
+  renderAttachments();
+}
+
+function renderAttachments() {
+  ui.attachments.replaceChildren();
+  ui.attachments.classList.toggle("hidden", !state.images.length);
+  state.images.forEach((url, i) => {
+    const item = document.createElement("span");
+    item.className = "attachment";
+    item.innerHTML = `<img alt="attached image" data-testid="attachment"><button type="button" class="icon"
+      title="Remove" aria-label="Remove the image">${icon("x")}</button>`;
+    item.querySelector("img").src = url;
+    item.querySelector("button").addEventListener("click", () => {
+      state.images.splice(i, 1);
+      renderAttachments();
+    });
+    ui.attachments.append(item);
+  });
 }
 
 function regenerate(msgId) {
@@ -289,6 +335,18 @@ function wire() {
   $("menu").innerHTML = icon("menu");
   $("export-one").innerHTML = icon("download");
   ui.send.innerHTML = icon("send");
+  ui.attach.innerHTML = icon("image");
+  ui.attach.addEventListener("click", () => ui.attachFile.click());
+  ui.attachFile.addEventListener("change", async () => {
+    await attachFiles([...ui.attachFile.files]);
+    ui.attachFile.value = "";
+  });
+  ui.input.addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+    if (!files.length) return;
+    e.preventDefault();
+    attachFiles(files);
+  });
   ui.stop.innerHTML = `${icon("stop")}<span>Stop</span>`;
 
   $("new-chat").addEventListener("click", newChat);

@@ -7,13 +7,21 @@ export function requestBody(conv, settings, model) {
   const messages = [];
   if (conv.system) messages.push({ role: "system", content: conv.system });
   for (const m of conv.messages) {
-    if (m.role === "user") messages.push({ role: "user", content: m.content });
+    if (m.role === "user") messages.push({ role: "user", content: userContent(m) });
     // earlier answers go back without their reasoning; failed ones not at all
     else if (m.content && !m.error) messages.push({ role: "assistant", content: splitThinking(m.content).answer.trim() });
   }
   const body = { model, messages, enable_thinking: !!settings.thinking };
   for (const key of ["temperature", "top_p", "max_tokens"]) if (settings[key] != null) body[key] = settings[key];
   return body;
+}
+
+/** A user message's content: its text, or with images text and ``image_url`` parts (data URIs). */
+export function userContent(m) {
+  if (!m.images?.length) return m.content;
+  const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (m.content) parts.push({ type: "text", text: m.content });
+  return parts;
 }
 
 /** Fold one streamed chunk into ``msg``; ``elapsedMs`` since the request was sent. */

@@ -123,6 +123,13 @@ function text(value) {
   return "";
 }
 
+/** The images (data URIs) of an exported message: this app's ``images``, or ``image_url`` parts. */
+function imagesOf(m) {
+  const urls = Array.isArray(m.images) ? m.images : [];
+  const parts = Array.isArray(m.content) ? m.content.map((p) => p?.image_url?.url ?? p?.image_url) : [];
+  return [...urls, ...parts].filter((u) => typeof u === "string" && u.startsWith("data:image/"));
+}
+
 function normalise(item) {
   const meta = item?.conv && typeof item.conv === "object" ? { ...item.conv, ...item } : item;
   if (!meta || !Array.isArray(meta.messages)) return null;
@@ -143,6 +150,8 @@ function normalise(item) {
     }
     const msg = { id: typeof m.id === "string" && m.id ? m.id : newId(), role: m.role, content,
                   created: Number(m.created || m.timestamp) || conv.created };
+    const images = imagesOf(m);
+    if (images.length && m.role === "user") msg.images = images;
     const reasoning = text(m.reasoning ?? m.reasoning_content ?? m.thinking);
     if (reasoning) msg.reasoning = reasoning;
     for (const key of ["timings", "usage", "finish_reason", "model", "stopped", "error", "ttft_ms"]) {

@@ -77,6 +77,18 @@ export function messageElement(msg) {
         <button type="button" class="icon" data-action="copy" title="Copy">${icon("copy")}</button>
       </div>`;
     el.querySelector(".bubble").textContent = msg.content;
+    if (msg.images?.length) {
+      const strip = document.createElement("div");
+      strip.className = "msg-images";
+      for (const url of msg.images) {
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = "attached image";
+        img.dataset.testid = "message-image";
+        strip.append(img);
+      }
+      el.prepend(strip);
+    }
     return el;
   }
   el.innerHTML = `<details class="reasoning hidden" data-testid="reasoning"><summary></summary><div class="md"></div></details>
