@@ -66,6 +66,10 @@ class EngineConfig:
     # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
     # (e4m3) / "int8" with an fp32 scale per token and KV head (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
+    # torch's intra-op threads in the process that runs the engine (0: torch's default, one per
+    # core); on a machine whose cores the gateway, its clients or other work share, fewer threads
+    # leave them a core where the engine's threads would otherwise wait on each other
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_dtype in REFUSED_KV_DTYPES:
@@ -93,6 +97,7 @@ class EngineConfig:
             ("ngram_max", self.ngram_min <= self.ngram_max <= MAX_NGRAM,
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
+            ("cpu_threads", self.cpu_threads >= 0, "must be >= 0 (0: one per core)"),
         ]
         for name, ok, why in checks:
             if not ok:
