@@ -75,6 +75,10 @@ class EngineConfig:
     state_dtype: str = "fp32"
     # load the checkpoint's vision tower and take requests with images (``vision/``)
     vision: bool = False
+    # torch's intra-op threads in the process that runs the engine (0: torch's default, one per
+    # core); on a machine whose cores the gateway, its clients or other work share, fewer threads
+    # leave them a core where the engine's threads would otherwise wait on each other
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -101,6 +105,7 @@ class EngineConfig:
              f"must be between ngram_min ({self.ngram_min}) and {MAX_NGRAM}"),
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
             ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {', '.join(STATE_DTYPES)}"),
+            ("cpu_threads", self.cpu_threads >= 0, "must be >= 0 (0: one per core)"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -164,6 +164,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         kv_dtype=args.kv_dtype,
         state_dtype=args.state_dtype,
         vision=args.vision,
+        cpu_threads=args.cpu_threads,
     )
 
 
@@ -209,10 +210,19 @@ def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineCon
 
 
 def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
-    """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``)."""
+    """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``), with
+    torch's intra-op threads set for this process (``EngineConfig.cpu_threads``)."""
+    apply_cpu_threads(config)
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
     return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
                                 vision=config.vision), tokenizer, config)
+
+
+def apply_cpu_threads(config: EngineConfig) -> None:
+    """torch's intra-op threads for this process, ``config.cpu_threads`` when set: every thread
+    that runs torch ops from then on (the engine loop's too) takes that many."""
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

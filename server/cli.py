@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "projections kept quantized where a method takes them, on the CPU and the GPU; "
                         "the rest, FP8 ones dequantized, in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
+    p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="torch's intra-op threads in the engine's process (default 0: one per core); on a machine "
+                        "whose cores the gateway, clients or other work share, fewer can keep the engine's threads "
+                        "from waiting on each other")
     p.add_argument("--kv-dtype", default="auto", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "}",
                    help="KV cache element type: auto (--dtype), bf16, or fp8 (e4m3) / int8: one byte per element "
                         "with an fp32 scale per token and KV head, about half bf16's memory, so more tokens fit; "

@@ -164,3 +164,33 @@ def test_a_tuned_config_that_is_not_of_its_form_stops_the_server_at_start(tiny, 
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 3
     finally:
         server.stop()
+
+
+def test_cpu_threads_reach_the_engine_config_and_every_thread_of_its_process():
+    """``--cpu-threads N`` is ``EngineConfig.cpu_threads``; building the engine sets torch's
+    intra-op threads of its process, which a thread started later (the engine loop's) takes too.
+    Run in a process of its own: the setting is the whole process's."""
+    code = """
+import threading, torch
+from ninfer.server.bootstrap import apply_cpu_threads, engine_config
+from ninfer.server.cli import build_parser
+args = build_parser().parse_args(["--model", "m", "--cpu-threads", "1"])
+config = engine_config(args, 512, "cpu", torch.float32)
+assert config.cpu_threads == 1
+assert engine_config(build_parser().parse_args(["--model", "m"]), 512, "cpu", torch.float32).cpu_threads == 0
+torch.set_num_threads(2)
+apply_cpu_threads(config)
+seen = []
+t = threading.Thread(target=lambda: seen.append((torch.get_num_threads(), float(torch.ones(4096).sum()))))
+t.start(); t.join()
+assert seen == [(1, 4096.0)], seen
+try:
+    engine_config(build_parser().parse_args(["--model", "m", "--cpu-threads", "-1"]), 512, "cpu", torch.float32)
+except ValueError as exc:
+    assert "cpu_threads must be >= 0" in str(exc), exc
+else:
+    raise AssertionError("--cpu-threads -1 was taken")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
