@@ -12,9 +12,7 @@ from ninfer.engine.cache.kv_pool import PagedKVPool
 from ninfer.engine.cache.kv_quant import QMAX, dequantize, quantize, rotation, unpack4
 from ninfer.engine.cache.manager import kv_bytes_per_token
 from ninfer.engine.engine_config import EngineConfig
-from ninfer.engine.sampling_params import SamplingParams
-from ninfer.engine.request import Request
-from support.prefix_cases import engine, req, run
+from support.prefix_cases import engine, greedy_with_top5, req, run
 from support.tiny import save_tiny_llama, save_tiny_qwen3_5
 
 ONE_BYTE = [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)]
@@ -143,20 +141,6 @@ def parts(request, tmp_path_factory):
     return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
 
 
-def greedy(parts, kv_dtype: str) -> tuple[list[int], list[dict[int, float]]]:
-    """24 greedy tokens after a 70-token prompt (three chunks: the later ones read the earlier
-    ones' pages), with each step's top-5 log-probabilities."""
-    eng = engine(parts, kv_dtype=kv_dtype, prefill_chunk=32)
-    ids = [5 + (7 * i) % 80 for i in range(70)]
-    eng.add_request(Request("a", ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
-                            max_total_tokens=320))
-    toks, tops = [], []
-    while eng.has_work:
-        for o in eng.step():
-            toks += list(o.token_ids or [])
-            tops += [dict(t.top) for t in (o.logprobs or [])]
-    return toks, tops
-
 
 # Measured (tiny random Llama / Qwen3.5, fp32 compute, 24 tokens, keys rotated): the same 24
 # tokens for both kv dtypes; largest top-5 log-probability difference over them 0.011 / 0.003
@@ -169,8 +153,8 @@ BOUNDS = {"int8": (16, 0.04), "fp8": (12, 0.2), "4bit": (2, 0.4)}
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "4bit"])
 def test_greedy_outputs_stay_with_the_fp32_cache(parts, kv_dtype):
-    ref_toks, ref_tops = greedy(parts, "auto")
-    toks, tops = greedy(parts, kv_dtype)
+    ref_toks, ref_tops = greedy_with_top5(parts, kv_dtype="auto")
+    toks, tops = greedy_with_top5(parts, kv_dtype=kv_dtype)
     same = next((i for i, (a, b) in enumerate(zip(ref_toks, toks)) if a != b), len(toks))
     first, bound = BOUNDS[kv_dtype]
     assert same >= first, (ref_toks, toks)

@@ -11,9 +11,7 @@ import torch
 from ninfer.engine.cache.manager import state_shapes
 from ninfer.engine.cache.state_pool import StateSlotPool
 from ninfer.engine.engine_config import EngineConfig
-from ninfer.engine.request import Request
-from ninfer.engine.sampling_params import SamplingParams
-from support.prefix_cases import engine, req, run
+from support.prefix_cases import engine, greedy_with_top5, req, run
 from support.tiny import save_tiny_qwen3_5
 
 
@@ -54,20 +52,6 @@ def test_slots_and_the_memory_plan_count_the_smaller_state(parts):
     assert eng.caches.states.conv.dtype == torch.float32  # the conv state stays in the compute dtype
 
 
-def greedy(parts, state_dtype: str) -> tuple[list[int], list[dict[int, float]]]:
-    """24 greedy tokens after a 70-token prompt in three chunks (the later ones go on from the
-    state the earlier ones stored), with each step's top-5 log-probabilities."""
-    eng = engine(parts, state_dtype=state_dtype, prefill_chunk=32)
-    ids = [5 + (7 * i) % 80 for i in range(70)]
-    eng.add_request(Request("a", ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
-                            max_total_tokens=320))
-    toks, tops = [], []
-    while eng.has_work:
-        for o in eng.step():
-            toks += list(o.token_ids or [])
-            tops += [dict(t.top) for t in (o.logprobs or [])]
-    return toks, tops
-
 
 # Measured (tiny random Qwen3.5, fp32 compute, 24 tokens): the same 24 tokens with either state
 # dtype; largest top-5 log-probability difference 0.043 (bf16) / 0.0069 (fp16: 3 more mantissa
@@ -77,8 +61,8 @@ BOUNDS = {"bf16": 0.13, "fp16": 0.02}
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "fp16"])
 def test_greedy_outputs_stay_with_the_fp32_state(parts, state_dtype):
-    ref_toks, ref_tops = greedy(parts, "fp32")
-    toks, tops = greedy(parts, state_dtype)
+    ref_toks, ref_tops = greedy_with_top5(parts, state_dtype="fp32")
+    toks, tops = greedy_with_top5(parts, state_dtype=state_dtype)
     assert toks == ref_toks
     diff = max(abs(ref_tops[i][t] - tops[i][t]) for i in range(len(toks)) for t in ref_tops[i] if t in tops[i])
     print(f"state {state_dtype}: top-5 log-probabilities within {diff:.5f}")

@@ -52,3 +52,19 @@ def req(name: str, ids: list[int], n: int = 8, **kw) -> Request:
     """A greedy request for ``n`` tokens, eos ignored (``max_total_tokens`` 320 unless given)."""
     return Request(name, list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                    **{"max_total_tokens": 320, **kw})
+
+
+def greedy_with_top5(parts, **settings) -> tuple[list[int], list[dict[int, float]]]:
+    """24 greedy tokens after a 70-token prompt in three chunks (the later ones read what the
+    earlier ones stored: pages, recurrent state), with each step's top-5 log-probabilities, on an
+    engine of ``settings``."""
+    eng = engine(parts, prefill_chunk=32, **settings)
+    ids = [5 + (7 * i) % 80 for i in range(70)]
+    eng.add_request(Request("a", ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+                            max_total_tokens=320))
+    toks, tops = [], []
+    while eng.has_work:
+        for o in eng.step():
+            toks += list(o.token_ids or [])
+            tops += [dict(t.top) for t in (o.logprobs or [])]
+    return toks, tops
