@@ -133,30 +133,16 @@ def test_seeded_sampled_requests_keep_their_outputs(with_mtp):
 def test_a_conversation_goes_on_from_the_answer_checkpoint_with_the_head(with_mtp):
     """The prefix checkpoint kept where a turn's answer ends (its pages hold the head's K/V too)
     serves the next turn, which answers as it does without drafts."""
-    from ninfer.engine.sampling_params import SamplingParams
-    from ninfer.engine.request import Request
     from support.overlap import prompt
-
-    model, tok = with_mtp
+    from support.spec_drafts import two_turns
 
     def turns(spec: str):
-        engine = LLMEngine(model, tok, EngineConfig(max_context=256, max_concurrency=2, prefill_chunk=32,
-                                                    kv_capacity=2048, page_size=8, spec=spec, draft_tokens=3))
-        first = Request("t1", prompt(tok, 3), SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
-                        max_total_tokens=256)
-        engine.add_request(first)
-        while engine.has_work:
-            engine.step()
-        second = Request("t2", first.all_ids + prompt(tok, 1),
-                         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), max_total_tokens=256)
-        engine.add_request(second)
-        while engine.has_work:
-            engine.step()
+        engine, *answers = two_turns(with_mtp, spec, 23, 20, draft_tokens=3)
         assert engine.caches.idle()
-        return first.output_ids, second.output_ids, second.cached_tokens, engine.counters.spec_rounds
+        return (*answers, engine.counters.spec_rounds)
 
     plain, fast = turns("off"), turns("mtp")
-    assert fast[:3] == plain[:3] and fast[2] > len(prompt(tok, 3)) and fast[3] > 0
+    assert fast[:3] == plain[:3] and fast[2] > len(prompt(with_mtp[1], 3)) and fast[3] > 0
 
 
 def test_every_ending_of_the_overlap_scenario(with_mtp):

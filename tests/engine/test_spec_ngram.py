@@ -249,23 +249,11 @@ def test_a_conversation_goes_on_from_the_answer_checkpoint_of_a_speculated_turn(
     """The checkpoint kept where a turn's answer ends holds no rejected draft's K/V: the next turn,
     which goes on from it, answers as it does without drafts."""
     from support.overlap import prompt
-
-    model, tok = parts
+    from support.spec_drafts import two_turns
 
     def turns(spec: str):
-        engine = LLMEngine(model, tok, EngineConfig(max_context=256, max_concurrency=2, prefill_chunk=32,
-                                                    kv_capacity=2048, page_size=8, spec=spec))
-        first = Request("t1", prompt(tok, 3), SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
-                        max_total_tokens=256)
-        engine.add_request(first)
-        while engine.has_work:
-            engine.step()
-        second = Request("t2", first.all_ids + prompt(tok, 1),
-                         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), max_total_tokens=256)
-        engine.add_request(second)
-        while engine.has_work:
-            engine.step()
-        return first.output_ids, second.output_ids, second.cached_tokens, engine.counters.spec_accepted_tokens
+        engine, *answers = two_turns(parts, spec, 37, 30)
+        return (*answers, engine.counters.spec_accepted_tokens)
 
     plain, fast = turns("off"), turns("ngram")
-    assert fast[:3] == plain[:3] and fast[2] > len(prompt(tok, 3)) and fast[3] > 0
+    assert fast[:3] == plain[:3] and fast[2] > len(prompt(parts[1], 3)) and fast[3] > 0

@@ -4,7 +4,9 @@ position that moves from round to round, so every accepted length is seen."""
 from __future__ import annotations
 
 from ninfer.engine.engine import LLMEngine
+from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.request import Request
+from ninfer.engine.sampling_params import SamplingParams
 from ninfer.engine.spec import Drafter
 
 
@@ -36,3 +38,23 @@ def use_drafter(engine: LLMEngine, drafter: Drafter) -> None:
     """Make ``engine`` (built with a ``spec`` setting) draft with ``drafter``."""
     engine.drafter = engine.scheduler.drafter = drafter
     engine.counters.spec_enabled = True
+
+
+def two_turns(parts, spec: str, first_tokens: int, second_tokens: int, **settings):
+    """A conversation of two greedy turns on a fresh engine with ``spec`` (the second is the first's
+    prompt, its answer and a new turn, so it goes on from the answer's checkpoint): the engine,
+    both answers and the tokens the second found cached."""
+    from support.overlap import prompt
+
+    model, tok = parts
+    engine = LLMEngine(model, tok, EngineConfig(max_context=256, max_concurrency=2, prefill_chunk=32,
+                                                kv_capacity=2048, page_size=8, spec=spec, **settings))
+    answers, ids = [], prompt(tok, 3)
+    for name, n in (("t1", first_tokens), ("t2", second_tokens)):
+        turn = Request(name, ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), max_total_tokens=256)
+        engine.add_request(turn)
+        while engine.has_work:
+            engine.step()
+        answers.append(turn.output_ids)
+        ids = turn.all_ids + prompt(tok, 1)
+    return engine, answers[0], answers[1], turn.cached_tokens
