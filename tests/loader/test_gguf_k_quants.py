@@ -14,11 +14,11 @@ from ninfer.engine.layers.linear import GroupQuantized, Int4CpuMethod, Linear, c
 from ninfer.engine.loader import load_model
 from ninfer.engine.loader.gguf_loader import load_gguf, open_gguf
 from ninfer.engine.loader.gguf_quant import group_quantized
-from ninfer.engine.models.base import ForwardBatch
 from support.k_quants import K_QUANTS, encode, mixed_type, random_blocks
+from support.llama_gguf import HF_NAMES, LlamaDims, llama_layers, llama_meta, logits
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 256, 4, 2, 512, 2, 128
-HEAD_DIM = HIDDEN // HEADS
+DIMS = LlamaDims(HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB)
 IDS = list(range(3, 40)) + [7, 7, 300, 12]
 PARTS = {Q.Q4_K: 1, Q.Q5_K: 2, Q.Q6_K: 4, Q.Q8_0: 2}  # int4 products of the CPU method per type
 
@@ -72,50 +72,23 @@ def test_groups_that_do_not_widen_are_not_taken():
         widen_groups(with_offset)
 
 
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_mixed_llama(writer, base: Q) -> tuple[object, dict[str, Q]]:
     """A llama whose matrices take ``mixed_type``'s types; the file and each HF name's type."""
     rng = np.random.default_rng(0)
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
-    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
     types: dict[str, Q] = {}
 
     def matrix(name: str, kind: str, layer: int | None, w: np.ndarray):
         qtype = mixed_type(kind, layer, LAYERS, w.shape[1], base)
+        if layer is not None:
+            types[f"model.layers.{layer}.{HF_NAMES[kind]}"] = qtype
         return name, encode(w, qtype) if qtype in K_QUANTS else w, qtype
 
     emb = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
     out = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32) / np.sqrt(HIDDEN)
     tensors = [matrix("token_embd.weight", "token_embd", None, emb), matrix("output.weight", "output", None, out),
                ("output_norm.weight", np.ones(HIDDEN, np.float32), None)]
-    for i in range(LAYERS):
-        for short, shape in shapes.items():
-            w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-            if short == "attn_q":
-                w = llama_cpp_permute(w, HEADS)
-            elif short == "attn_k":
-                w = llama_cpp_permute(w, KV_HEADS)
-            tensors.append(matrix(f"blk.{i}.{short}.weight", short, i, w))
-            types[f"model.layers.{i}.{hf[short]}"] = tensors[-1][2]
-        tensors += [(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32), None),
-                    (f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32), None)]
-    meta = {"llama.block_count": LAYERS, "llama.context_length": 512, "llama.embedding_length": HIDDEN,
-            "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
-            "llama.attention.head_count_kv": KV_HEADS, "llama.rope.freq_base": 10000.0,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": VOCAB}
-    return writer(tensors, meta), types
-
-
-def logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), ForwardBatch.single(len(ids), model.new_cache())))
+    tensors += llama_layers(rng, DIMS, matrix)
+    return writer(tensors, llama_meta(DIMS)), types
 
 
 def held_bytes(module: torch.nn.Module) -> int:

@@ -14,11 +14,11 @@ from ninfer.engine.layers.linear import Int4CpuMethod, Linear
 from ninfer.engine.loader import load_model
 from ninfer.engine.loader.gguf_loader import kept_quantized, load_gguf, open_gguf
 from ninfer.engine.loader.gguf_quant import group_quantized
-from ninfer.engine.models.base import ForwardBatch
+from support.llama_gguf import LlamaDims, llama_layers, llama_meta, logits
 
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 128, 8, 4, 192, 2, 128
-HEAD_DIM = HIDDEN // HEADS
+DIMS = LlamaDims(HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB)
 
 
 @pytest.mark.parametrize("qtype", KEPT)
@@ -57,42 +57,15 @@ def test_rows_the_cpu_kernel_cannot_take_are_dequantized(gguf_writer):
     assert kept_quantized(open_gguf(path).tensors[0]) is None
 
 
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_llama(writer, qtype: Q, tied: bool):
     rng = np.random.default_rng(0)
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
     tensors = [("token_embd.weight", quantize(rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), qtype), qtype),
                ("output_norm.weight", np.ones(HIDDEN, np.float32), None)]
     if not tied:
         out = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
         tensors.append(("output.weight", quantize(out, qtype), qtype))
-    for i in range(LAYERS):
-        for short, shape in shapes.items():
-            w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-            if short == "attn_q":
-                w = llama_cpp_permute(w, HEADS)
-            elif short == "attn_k":
-                w = llama_cpp_permute(w, KV_HEADS)
-            tensors.append((f"blk.{i}.{short}.weight", quantize(w, qtype), qtype))
-        tensors += [(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32), None),
-                    (f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32), None)]
-    meta = {"llama.block_count": LAYERS, "llama.context_length": 512, "llama.embedding_length": HIDDEN,
-            "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
-            "llama.attention.head_count_kv": KV_HEADS, "llama.rope.freq_base": 10000.0,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": VOCAB}
-    return writer(tensors, meta)
-
-
-def logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        cache = model.new_cache()
-        hidden = model(torch.tensor(ids), ForwardBatch.single(len(ids), cache))
-        return model.compute_logits(hidden)
+    tensors += llama_layers(rng, DIMS, lambda name, short, layer, w: (name, quantize(w, qtype), qtype))
+    return writer(tensors, llama_meta(DIMS))
 
 
 @pytest.mark.parametrize("tied", [True, False])
