@@ -56,8 +56,8 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     plan of decode rows only). Reads each request's ``num_computed`` as where its new tokens start;
     changes nothing.
 
-    A row that runs past ``num_tokens`` verifies its request's ``draft`` (speculative decoding,
-    speculative decoding): it is laid out as one decode row per position, each with the context
+    A row that runs past ``num_tokens`` verifies its request's ``draft`` (speculative
+    decoding): it is laid out as one decode row per position, each with the context
     up to itself over the same pages (every K/V is written before any row attends), so every
     position is computed exactly as a one-token step computes it; all of them are sampled. In a
     model with Gated DeltaNet layers those rows share the request's state slot and run in waves
