@@ -116,8 +116,7 @@ class ModelRunner:
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
-        self.images_encoded = 0  # images run through the vision tower
-        self.counters = None  # the engine's EngineCounters, which count them too
+        self.counters = None  # the engine's EngineCounters: images run through the vision tower are counted there
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
@@ -256,7 +255,6 @@ class ModelRunner:
                         raise RuntimeError("a request with images, and the model has no vision tower (--vision)")
                     im.embeds = tower.encode(im.image)
                     req.media.encoded += 1
-                    self.images_encoded += 1
                     if self.counters is not None:
                         self.counters.images_encoded += 1
 

@@ -48,12 +48,12 @@ def test_checkpoint_past_an_image_needs_the_same_image(parts):
     first, other = tiny_png(40, 24, seed=1), tiny_png(40, 24, seed=2, noise=True)  # same grid, other bytes
     engine = engine_of(parts)
     a = run(engine, ckpt, ids, [first], "a")
-    encoded = engine.runner.images_encoded
+    encoded = engine.counters.images_encoded
     assert encoded == 1
 
     # the same ids, the same placeholders, another image: no checkpoint past the image is taken
     b = run(engine, ckpt, ids + more, [other], "b")
-    assert b.cached_tokens == 0 and engine.runner.images_encoded == encoded + 1
+    assert b.cached_tokens == 0 and engine.counters.images_encoded == encoded + 1
     alone = run(engine_of(parts, cache=False), ckpt, ids + more, [other], "b")
     assert b.output_ids == alone.output_ids
     with_first = run(engine_of(parts, cache=False), ckpt, ids + more, [first], "x").output_ids
@@ -62,5 +62,5 @@ def test_checkpoint_past_an_image_needs_the_same_image(parts):
     # the first prompt returns longer, its image in the history: on from past the image, not encoded again
     c = run(engine, ckpt, ids + more, [first], "c")
     assert c.cached_tokens == len(a.prompt_ids) and c.media.encoded == 0
-    assert engine.runner.images_encoded == encoded + 1
+    assert engine.counters.images_encoded == encoded + 1
     assert c.output_ids == with_first
