@@ -181,13 +181,15 @@ class ModelRunner:
             launched.vocab = logits.shape[-1]
             launched.gen_states = {id(r): r.generator.get_state() for r, w in zip(ready, launched.widths)
                                    if w > 1 and r.generator is not None}
+        # in inference mode throughout: a deferred draw (rows under a grammar) comes from outside
+        # ``launch``, and the read-back buffers were made inside it
         with torch.inference_mode():
             tokens = self.sampler.sample(logits, rows, greedy)
             logprobs = self.sampler.logprobs(logits, rows, tokens)
-        host = self._readback(len(rows))
-        host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
-        launched.drawn(tokens, host, in_place=greedy is not None and tokens is greedy, logprobs=logprobs,
-                       host_logprobs=host_logprobs)
+            host = self._readback(len(rows))
+            host_logprobs = None if logprobs is None or host is None else self._readback_logprobs(logprobs.table.numel())
+            launched.drawn(tokens, host, in_place=greedy is not None and tokens is greedy, logprobs=logprobs,
+                           host_logprobs=host_logprobs)
 
     def _readback(self, n: int) -> torch.Tensor | None:
         """A pinned buffer for ``n`` tokens; two alternate, so a step's read-back never overwrites
