@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 
@@ -59,4 +58,5 @@ def test_rows_under_a_grammar_beside_a_free_row_on_the_gpu(parts):
                       req("j", tok.encode("A document: "), grammar=doc, temperature=1.0, seed=5)])
     assert got["free"] == alone
     assert re.fullmatch(r"[a-z ]{6,30}", tok.decode(got["w"]))
-    jsonschema.validate(json.loads(tok.decode(got["j"])), SCHEMA)
+    doc = json.loads(tok.decode(got["j"]))
+    assert set(doc) == {"colour", "ok"} and doc["colour"] in ("red", "green", "blue") and isinstance(doc["ok"], bool)
