@@ -83,10 +83,10 @@ class LLMEngine:
     # tables one page wide and sixteen, sixteen rows at once
     WARM_UP_ROUNDS = ((37, 64, 20), (1, 45), (16, 32), (5, 6), (8, 8), (250, 6), (2,) * 16)
     # host memory is pinned while the engine is idle (the driver holds every CUDA call of the
-    # process while it pins: 156 ms for a 256 MiB slab on an H200), and only once the engine has
-    # been idle this long: a conversation's next turn, or an agent's next call, comes as the last
-    # answer ends, and would otherwise find the engine in the middle of a slab
-    IDLE_PIN_AFTER_S = 1.0
+    # process while it pins: about 40 ms for a 64 MiB slab on an H200), and only once the engine
+    # has been idle this long: a conversation's next turn, an agent's next call or the next burst
+    # of a load comes within seconds of the last answer, and would otherwise wait for a slab
+    IDLE_PIN_AFTER_S = 5.0
 
     def warm_up(self) -> None:
         """Run the kinds of step serving brings before the first request does (``WARM_UP_ROUNDS``).

@@ -25,7 +25,10 @@ from .kv_quant import raw_bytes
 from .state_pool import StateSlotPool
 
 ALIGN = 4096  # extents and the regions inside them start at multiples of this
-SLAB_BYTES = 256 << 20  # host memory is taken in slabs of this size (larger for a larger unit)
+# host memory is taken in slabs of this size, or of one slot's states where that is larger: a
+# slab pinned while the engine is idle holds every CUDA call of the process for as long as the
+# driver takes to pin it (about 0.6 ms a MiB on an H200), so slabs are kept small
+SLAB_BYTES = 64 << 20
 AHEAD_BYTES = 2 << 30  # free room pinned ahead of need (within the budget): at start, then while the engine is idle
 
 
@@ -45,7 +48,7 @@ class HostArena:
     """Extents of host memory within ``budget`` bytes, from slabs that are kept (first fit; freed
     extents merge with their free neighbours). Pinned slabs (CUDA) take a while to allocate, and
     while the driver pins one no other CUDA call of the process goes on (measured on an H200:
-    256 MiB in 156 ms, kernel launches on another thread held the whole time), so with ``ahead``
+    256 MiB in 156 ms, kernel launches on another thread held the whole time; hence small slabs), so with ``ahead``
     set (CUDA) they are not taken in the middle of serving: ``grow`` adds one at a time, up to
     ``ahead`` bytes free (the engine grows them all at start, then one whenever it has been idle
     for ``LLMEngine.IDLE_PIN_AFTER_S``), and ``take`` makes a slab itself only for the first one.
@@ -174,7 +177,6 @@ class HostTier:
         self.states = states
         self.device = device
         cuda = device.type == "cuda"
-        self.arena = HostArena(budget, pinned=cuda, slab_bytes=slab_bytes, ahead=AHEAD_BYTES if cuda else 0)
         # bytes of one page in each of the pool's tensors (keys, values and, quantized, their scales)
         self.tensor_page_bytes = [] if kv is None else [t[:, 0].numel() * t.element_size() for t in kv.tensors]
         self.page_bytes = sum(self.tensor_page_bytes)
@@ -182,6 +184,9 @@ class HostTier:
         self.recurrent_bytes = 0 if states is None else \
             states.recurrent[:, 0].numel() * states.recurrent.element_size()
         self.slot_bytes = self.conv_bytes + self.recurrent_bytes
+        # a slab holds at least one slot's states (their extent is never split)
+        slab_bytes = max(slab_bytes, _round(self.conv_bytes) + self.recurrent_bytes)
+        self.arena = HostArena(budget, pinned=cuda, slab_bytes=slab_bytes, ahead=AHEAD_BYTES if cuda else 0)
         # pages per KV part: as many as one slab holds (at least one)
         self.part_pages = max(1, self.arena.slab_bytes // max(self._kv_size(1), 1))
         self._stream: torch.cuda.Stream | None = None
