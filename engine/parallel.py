@@ -39,7 +39,7 @@ GROUP_TIMEOUT = datetime.timedelta(days=365)
 @dataclass(frozen=True)
 class Rendezvous:
     """Where rank ``rank`` of ``world_size`` finds the others (``init_method`` of
-    ``torch.distributed``: a file the launching process chose)."""
+    ``torch.distributed``: rank 0's store at an address the launching process chose)."""
 
     rank: int
     world_size: int

@@ -11,7 +11,7 @@ reader thread here hands the outputs to their requests' sinks.
 
 With tensor parallelism (``ranks`` > 1, ``parallel.py``) the child is rank 0 and ranks 1 .. N-1
 are processes of their own beside it, each running ``serve_rank(*args, rendezvous)``; they find
-each other through a file in a temporary directory, with ``NCCL_NVLS_ENABLE=0`` set for all.
+each other through rank 0's store on a free local port, with ``NCCL_NVLS_ENABLE=0`` set for all.
 
 A failed step in the child, the child's death, or its pipe breaking is an engine failure:
 every request in flight ends with an error, ``failed`` is set and ``on_failure`` is called; so is
@@ -27,9 +27,8 @@ import atexit
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
+import socket
 import threading
 import time
 import traceback
@@ -63,7 +62,6 @@ class EngineProcess:
         self._build, self._args, self._log_level = build, args, log_level
         self._world, self._serve_rank = ranks, serve_rank
         self._ranks: list = []  # the processes of ranks 1 .. N-1
-        self._rendezvous_dir: str | None = None
         self._sinks: dict[str, Sink] = {}
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # orders submit() against a failure
@@ -82,8 +80,7 @@ class EngineProcess:
         args = self._args
         if self._world > 1:
             os.environ["NCCL_NVLS_ENABLE"] = "0"  # (the spawned ranks inherit it)
-            self._rendezvous_dir = tempfile.mkdtemp(prefix="ninfer-tp-")
-            init = f"file://{os.path.join(self._rendezvous_dir, 'rendezvous')}"
+            init = f"tcp://127.0.0.1:{_free_port()}"
             args = (*args, Rendezvous(0, self._world, init))
             self._ranks = [ctx.Process(target=_rank_main, args=(self._serve_rank, self._args,
                                                                  Rendezvous(r, self._world, init), self._log_level),
@@ -130,8 +127,8 @@ class EngineProcess:
             if dead is not None:
                 if self._stopping:
                     return
-                self._end_all()
                 self._fail(EngineProcessError(dead))
+                self._end_all()
                 return
             time.sleep(0.1)
 
@@ -143,9 +140,6 @@ class EngineProcess:
         for proc in [*self._ranks, self._proc]:
             if proc is not None:
                 proc.join(10)
-        if self._rendezvous_dir is not None:
-            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
-            self._rendezvous_dir = None
 
     def start(self) -> None:
         """Begin handing the child's outputs to their requests (``launch`` first)."""
@@ -247,6 +241,12 @@ class EngineProcess:
                                error_code="engine_failed"))
         if self.on_failure is not None:
             self.on_failure(exc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- the child
