@@ -95,6 +95,15 @@ def test_what_tensor_parallelism_does_not_run_is_refused_at_start(tmp_path):
             build_state(build_parser().parse_args([str(path), *tp, *flags]))
 
 
+def test_a_quantized_gguf_is_split_only_dequantized(tmp_path):
+    from support.qwen35_gguf import Q, tiny_model, write_qwen35_gguf
+    from support.tiny import train_tokenizer
+
+    path = write_qwen35_gguf(tmp_path / "q8.gguf", tiny_model(), qtype=Q.Q8_0, tokenizer=train_tokenizer())
+    with pytest.raises(ValueError, match="--weights dense"):
+        build_state(build_parser().parse_args([str(path), "--tp", "2"]))
+
+
 def rank_pid(log: Path, rank: int, after: int = 0) -> int | None:
     found = re.findall(rf"tensor-parallel rank {rank} of \d+ \(pid (\d+)\)", log.read_text(errors="replace"))
     return int(found[-1]) if len(found) > after else None
