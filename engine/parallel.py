@@ -207,9 +207,9 @@ class Sharder:
 
     def __call__(self, name: str, src) -> torch.Tensor:
         rule = self.rule(name) if self.world > 1 else None
+        if rule is None:  # whole on every rank
+            return src if isinstance(src, torch.Tensor) else src[...]
         shape = _shape(src)
-        if rule is None:
-            return _take(src, 0, 0, shape[0]) if not isinstance(src, torch.Tensor) else src
         r, n = self.rank, self.world
         if rule in ("rows", "cols"):
             dim = 0 if rule == "rows" else -1
