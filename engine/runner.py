@@ -218,11 +218,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(reqs):
             return self.graphs.run(reqs, ids, follow)
         step = build_step([(r, 1) for r in reqs], self.caches, self.device, ids)
-        return sampled_logits(self.model, self._forward(step, step.sample_index), self.vocab), None
+        return sampled_logits(self.model, self._forward(step, ...), self.vocab), None
 
-    def _forward(self, step, sample_index: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, step, sample_index) -> torch.Tensor:
         """The model's forward over ``step`` (the other ranks told first, under tensor parallelism,
-        with the rows whose logits are taken after it)."""
+        with the rows whose logits are taken after it: flat indices, ``...`` for every row, None
+        for none)."""
         if self.leader is not None:
             self.leader.send(step.input_ids, step.batch, sample_index)
         return self.model(step.input_ids, step.batch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class StepMessage:
     cu_seqlens: torch.Tensor | None  # the prompt rows' (int64), None without any
     max_seqlen: int
     slots_host: list[int]
-    sample_index: torch.Tensor | None  # the flat rows whose logits are taken (None: none)
+    sample_index: Any  # the flat rows whose logits are taken: indices, ``...`` (every row) or None (none)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Leader:
         self.tp.broadcast(PoolPlan(caches.kv.num_pages if caches.kv is not None else 0, caches.page_size,
                                    caches.states.num_slots if caches.states is not None else 0))
 
-    def send(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_index: torch.Tensor | None) -> None:
+    def send(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_index: Any) -> None:
         meta, prompt = batch.step, batch.step.prompt
         ops, self.journal[:] = list(self.journal), []
         host = (lambda t: t.cpu()) if input_ids.device.type != "cpu" else (lambda t: t)
@@ -72,7 +73,7 @@ class Leader:
             cu_seqlens=None if prompt is None else prompt.cu_seqlens_host.clone(),
             max_seqlen=0 if prompt is None else prompt.max_seqlen,
             slots_host=[] if prompt is None else list(prompt.slots_host),
-            sample_index=None if sample_index is None else host(sample_index)))
+            sample_index=host(sample_index) if isinstance(sample_index, torch.Tensor) else sample_index))
 
     def stop(self) -> None:
         """End the other ranks (their ``follow`` returns)."""
@@ -94,8 +95,9 @@ def follow(model: CausalLM, make_caches) -> None:
             replay(msg.ops, caches)
             input_ids, batch = rebuild(msg, caches, device)
             hidden = model(input_ids, batch)
-            if msg.sample_index is not None:
-                model.compute_logits(hidden[msg.sample_index.to(device)])
+            rows = msg.sample_index
+            if rows is not None:
+                model.compute_logits(hidden[rows.to(device) if isinstance(rows, torch.Tensor) else rows])
             steps += 1
     log.info("tensor-parallel rank %d stopped after %d steps", tp.rank, steps)
 
