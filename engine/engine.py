@@ -51,7 +51,7 @@ class LLMEngine:
         checkpoints = prefix_checkpoints(shape, config)
         num_pages = plan_kv_pages(shape, config, checkpoints)
         # (MTP: every step eager, for the final hidden states the head takes)
-        graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp
+        graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp and config.tensor_parallel == 1
         # captured decode graphs keep one page and one slot for their padding rows
         self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
@@ -59,6 +59,10 @@ class LLMEngine:
                                    config.kv_storage_dtype, config.state_storage_dtype)
         # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
+        if config.tensor_parallel > 1:  # rank 0 of tensor parallelism: the other ranks follow its steps
+            from .tp_steps import Leader
+
+            self.runner.leader = Leader(self.caches)
         self.drafter = Drafter(config.draft_tokens, config.ngram_min, config.ngram_max) \
             if config.spec == "ngram" else None
         if mtp:
@@ -114,6 +118,12 @@ class LLMEngine:
         self.counters = self._new_counters()  # the warm-up is not the server's work
         while self.caches.grow_host():  # the host memory kept ahead of need, pinned before any request
             pass
+
+    def close(self) -> None:
+        """End what the engine holds outside its process: the other tensor-parallel ranks."""
+        if self.runner.leader is not None:
+            self.runner.leader.stop()
+            self.runner.leader = None
 
     def _new_counters(self) -> EngineCounters:
         counters = EngineCounters()

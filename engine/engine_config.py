@@ -79,6 +79,9 @@ class EngineConfig:
     # core); on a machine whose cores the gateway, its clients or other work share, fewer threads
     # leave them a core where the engine's threads would otherwise wait on each other
     cpu_threads: int = 0
+    # tensor parallelism (``parallel.py``): ranks, one process each, every layer split over them;
+    # without speculative decoding, the vision tower, the host tier or CUDA graphs
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,10 +109,24 @@ class EngineConfig:
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
             ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {', '.join(STATE_DTYPES)}"),
             ("cpu_threads", self.cpu_threads >= 0, "must be >= 0 (0: one per core)"),
+            ("tensor_parallel", 1 <= self.tensor_parallel <= 64, "must be between 1 and 64"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        if self.tensor_parallel > 1:
+            self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """What tensor parallelism does not run, refused at start with the flag to change."""
+        tp = f"tensor_parallel {self.tensor_parallel} (--tp)"
+        if self.spec != "off":
+            raise ValueError(f"{tp} runs without speculative decoding: serve with --spec off")
+        if self.vision:
+            raise ValueError(f"{tp} runs without the vision tower: serve without --vision")
+        if self.host_cache_mib:
+            raise ValueError(f"{tp} keeps no host copies of the caches (prefix checkpoints, paused requests): "
+                             "serve with --host-cache-mib 0")
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:

@@ -117,6 +117,9 @@ class ModelRunner:
         self._pinned_logprobs: list[torch.Tensor] = []  # and two for log-probability tables
         self._turn = 0
         self.counters = None  # the engine's EngineCounters: images run through the vision tower are counted there
+        # under tensor parallelism, rank 0's ``tp_steps.Leader``: each step's description goes to
+        # the other ranks before its forward
+        self.leader = None
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         from .cuda_graphs import CudaGraphDecoder
@@ -217,7 +220,15 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(reqs):
             return self.graphs.run(reqs, ids, follow)
         step = build_step([(r, 1) for r in reqs], self.caches, self.device, ids)
-        return sampled_logits(self.model, self.model(step.input_ids, step.batch), self.vocab), None
+        return sampled_logits(self.model, self._forward(step, ...), self.vocab), None
+
+    def _forward(self, step, sample_index) -> torch.Tensor:
+        """The model's forward over ``step`` (the other ranks told first, under tensor parallelism,
+        with the rows whose logits are taken after it: flat indices, ``...`` for every row, None
+        for none)."""
+        if self.leader is not None:
+            self.leader.send(step.input_ids, step.batch, sample_index)
+        return self.model(step.input_ids, step.batch)
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
         """Any step, eager: one forward over every row, the logits of the rows that reach their
@@ -225,7 +236,7 @@ class ModelRunner:
         request never decodes, so it is never in a decode step)."""
         self._encode_images(plan)
         step = build_step(plan, self.caches, self.device)
-        hidden = self.model(step.input_ids, step.batch)
+        hidden = self._forward(step, step.sample_index if step.sampled else None)
         at, rows = 0, []
         for req, n in step.plan:
             rows.append((req, req.num_computed, n, at))

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from ..engine import launch
+from ..engine import launch, parallel
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
 from ..engine.engine_config import EngineConfig
@@ -148,7 +149,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         max_batched_tokens=args.max_batched_tokens,
         kv_capacity=None if args.kv_capacity == "auto" else int(args.kv_capacity),
         page_size=args.kv_page_size,
-        host_cache_mib=host_cache_mib(args.host_cache_mib, device),
+        host_cache_mib=host_cache_mib(args.host_cache_mib, device, args.tp),
         max_pending=args.max_pending_requests,
         pending_timeout_s=args.pending_timeout_ms / 1000.0 if args.pending_timeout_ms else None,
         prefix_cache=args.prefix_cache,
@@ -165,6 +166,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         state_dtype=args.state_dtype,
         vision=args.vision,
         cpu_threads=args.cpu_threads,
+        tensor_parallel=args.tp,
     )
 
 
@@ -180,12 +182,15 @@ def media_settings(args: argparse.Namespace, ckpt: Checkpoint, config: EngineCon
                          live_bytes=int(args.media_live_mib * (1 << 20)))
 
 
-def host_cache_mib(value: str, device: str) -> int:
+def host_cache_mib(value: str, device: str, tp: int = 1) -> int:
     """``--host-cache-mib``: a number, or for 'auto' on a GPU 22 GiB, or 45% of the machine's RAM
     when that is less (what is not used is not taken); 1024 on a CPU, whose KV pool is host memory
-    already (only paused requests' snapshots)."""
+    already (only paused requests' snapshots); 0 under tensor parallelism (``--tp``), which keeps
+    no host copies."""
     if value != "auto":
         return int(value)
+    if tp > 1:
+        return 0
     if not str(device).startswith("cuda"):
         return 1024
     try:
@@ -195,27 +200,67 @@ def host_cache_mib(value: str, device: str) -> int:
     return min(22 << 10, int(ram * 0.45) >> 20)
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineConfig]:
-    """The checkpoint (its metadata: weights are read by ``load_model``), tokenizer and engine
-    settings ``args`` name, checked against each other."""
+def _settings(args: argparse.Namespace) -> tuple[Checkpoint, EngineConfig]:
+    """The checkpoint (its metadata: weights are read by ``load_model``) and engine settings
+    ``args`` name, checked against each other."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     ckpt = load_checkpoint(args.model)
-    tokenizer = resolve_tokenizer(ckpt, args.tokenizer)
     max_context = args.max_context or min(ckpt.config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     config = engine_config(args, max_context, device, dtype)
     config.check_for_model(ckpt.config)  # before the weights are read
+    if config.tensor_parallel > 1:
+        parallel.check_shardable(ckpt.config, config.tensor_parallel)
+        if config.weights == "auto" and ckpt.quantized_weights is not None:
+            raise ValueError(f"{ckpt.source} holds quantized weights, which --tp splits only dequantized: "
+                             "serve it with --weights dense")
     launch.load(None, args.tuned_config)  # a bad --tuned-config file stops the start here
-    return ckpt, tokenizer, config
+    return ckpt, config
 
 
-def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None) -> LLMEngine:
+def _resolve(args: argparse.Namespace) -> tuple[Checkpoint, Tokenizer, EngineConfig]:
+    """``_settings`` and the tokenizer."""
+    ckpt, config = _settings(args)
+    return ckpt, resolve_tokenizer(ckpt, args.tokenizer), config
+
+
+def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_config: str | None,
+            shard: parallel.Sharder | None = None) -> LLMEngine:
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``), with
-    torch's intra-op threads set for this process (``EngineConfig.cpu_threads``)."""
+    torch's intra-op threads set for this process (``EngineConfig.cpu_threads``); ``shard``:
+    tensor parallelism's rank 0, holding its part of the model."""
     apply_cpu_threads(config)
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
     return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
-                                vision=config.vision), tokenizer, config)
+                                vision=config.vision, shard=shard), tokenizer, config)
+
+
+def _join(rendezvous: parallel.Rendezvous, ckpt: Checkpoint,
+          config: EngineConfig) -> tuple[parallel.Sharder, EngineConfig]:
+    """This process as one tensor-parallel rank: its group joined, its part of the checkpoint and
+    its device (rank ``r`` on ``cuda:r``)."""
+    tp, device = parallel.join(rendezvous, config.device)
+    return parallel.Sharder(ckpt.config, tp.rank, tp.world_size), dataclasses.replace(config, device=device)
+
+
+def serve_rank(args: argparse.Namespace, rendezvous: parallel.Rendezvous) -> None:
+    """A tensor-parallel rank >= 1 (``--tp``): its part of the model loaded, then the steps rank 0
+    sends run until it ends them (``engine/tp_steps.py``)."""
+    from ..engine.cache.manager import CacheManager
+    from ..engine.tp_steps import follow
+
+    ckpt, config = _settings(args)
+    shard, config = _join(rendezvous, ckpt, config)
+    apply_cpu_threads(config)
+    launch.use(launch.load(launch.gpu_name(torch.device(config.device)), args.tuned_config))
+    model = load_model(ckpt, config.device, config.dtype, config.weights, shard=shard)
+
+    def caches(plan) -> CacheManager:
+        return CacheManager(model.config, max(plan.num_pages, 1), plan.page_size, plan.num_slots, config.dtype,
+                            config.device, kv_dtype=config.kv_storage_dtype, state_dtype=config.state_storage_dtype)
+
+    follow(model, caches)
+    parallel.leave()
 
 
 def apply_cpu_threads(config: EngineConfig) -> None:
@@ -225,9 +270,14 @@ def apply_cpu_threads(config: EngineConfig) -> None:
         torch.set_num_threads(config.cpu_threads)
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """The engine ``args`` name, weights loaded: what the engine process runs."""
-    return _engine(*_resolve(args), args.tuned_config)
+def build_engine(args: argparse.Namespace, rendezvous: parallel.Rendezvous | None = None) -> LLMEngine:
+    """The engine ``args`` name, weights loaded: what the engine process runs (``rendezvous``:
+    as tensor parallelism's rank 0)."""
+    ckpt, tokenizer, config = _resolve(args)
+    shard = None
+    if rendezvous is not None:
+        shard, config = _join(rendezvous, ckpt, config)
+    return _engine(ckpt, tokenizer, config, args.tuned_config, shard)
 
 
 def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | EngineProcess]:
@@ -237,9 +287,12 @@ def build_state(args: argparse.Namespace) -> tuple[ServerState, EngineLoop | Eng
     ckpt, tokenizer, config = _resolve(args)
     template = resolve_template(ckpt, tokenizer, args.chat_template)
     if args.engine_thread:
+        if config.tensor_parallel > 1:
+            raise ValueError("--tp runs the engine in processes of its own: serve without --engine-thread")
         loop = EngineLoop(_engine(ckpt, tokenizer, config, args.tuned_config))
     else:
-        loop = EngineProcess(build_engine, (args,), logging.getLogger().getEffectiveLevel())
+        loop = EngineProcess(build_engine, (args,), logging.getLogger().getEffectiveLevel(),
+                             ranks=config.tensor_parallel, serve_rank=serve_rank)
         loop.launch()
     try:
         return assemble_state(args, ckpt, loop, tokenizer, template, config)

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="element type of the Gated DeltaNet recurrent state in its slots (hybrid models): fp32, "
                         "or bf16 / fp16 at half the bytes (updated in fp32, rounded once per step where stored)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences (1..64)")
+    p.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: N processes, each holding 1/N of every layer (heads, experts' "
+                        "intermediate, vocabulary), gloo on the CPU, NCCL on GPUs 0..N-1; without --spec, "
+                        "--vision, the host cache tier or CUDA graphs (default 1)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens of one request per engine step")
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens per engine step over all requests: every decoding request's token, then "

@@ -12,6 +12,9 @@ row's own index; ``tensors`` lists every tensor indexed by page on its dim 1, wh
 copy of pages (``copy_page``, the host tier) copies. 4-bit pages (``--kv-dtype 4bit``) are
 ``[num_pages, page_size, Hkv, D / 2]`` bytes with a scale per group of the head dim,
 ``[num_pages, P, Hkv, D / 32]``.
+
+``journal`` (a list, or None): where page copies are noted, for the tensor-parallel ranks to
+make the same in their own pages (``tp_steps.py``).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class PagedKVPool:
             self.v_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders = [0] * num_pages
+        self.journal: list[tuple] | None = None
 
     @staticmethod
     def bytes_per_page(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -111,3 +115,5 @@ class PagedKVPool:
     def copy_page(self, src: int, dst: int) -> None:
         for t in self.tensors:
             t[:, dst] = t[:, src]
+        if self.journal is not None:
+            self.journal.append(("copy_page", src, dst))

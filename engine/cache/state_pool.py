@@ -5,6 +5,9 @@ of the last tokens) and ``recurrent[g, s]`` ``[Hv, K, V]`` in ``state_dtype`` (`
 fp32 by default; bf16 / fp16 halve it, the layers update it in fp32 and round it once per step
 where they store it). A running hybrid sequence
 holds exactly one slot; a slot is zeroed when handed out.
+
+``journal`` (a list, or None): where the changes made outside a forward (a slot zeroed, a slot
+copied) are noted, for the tensor-parallel ranks to make the same in their own slots (``tp_steps.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class StateSlotPool:
         # last reader of a key head's conv state knows it may shift it (gdn_decode_triton.py)
         self.step_counts = torch.zeros((num_slots, recurrent_shape[0]), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.journal: list[tuple] | None = None
 
     @staticmethod
     def bytes_per_slot(num_gdn_layers: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
@@ -49,9 +53,15 @@ class StateSlotPool:
         if not self._free:
             raise OutOfSlotsError("no free state slot")
         slot = self._free.pop()
+        self.clear(slot)
+        return slot
+
+    def clear(self, slot: int) -> None:
+        """Zero slot ``slot``'s states."""
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
-        return slot
+        if self.journal is not None:
+            self.journal.append(("clear", slot))
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
@@ -60,3 +70,5 @@ class StateSlotPool:
         """Slot ``dst`` takes slot ``src``'s conv and recurrent state (queued on the device)."""
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
+        if self.journal is not None:
+            self.journal.append(("copy_slot", src, dst))

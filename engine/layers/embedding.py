@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import parallel
 from .fused_linear import decode_linear
 from .linear import GroupQuantized, LinearMethod, check_shape, quantized_method
 
@@ -51,7 +52,9 @@ class LMHead(nn.Module):
 
     With ``tied_to`` the head owns no parameter and reads the embedding's weight, so a tied model
     has one ``[vocab, hidden]`` tensor (under ``model.embed_tokens.weight``). A quantized weight is
-    dequantized at load (see above).
+    dequantized at load (see above). Under tensor parallelism (``parallel.py``) each rank holds
+    ``vocab_shard`` rows (its own weight: rows ``rank * shard ..``, the last rank's padded; tied:
+    those rows of the embedding) and the ranks' logits are gathered, so every rank returns all of them.
     """
 
     method: LinearMethod | None
@@ -60,8 +63,12 @@ class LMHead(nn.Module):
         super().__init__()
         self.method = None
         self.tied = tied_to is not None
+        self.vocab_size = vocab_size
+        tp = parallel.current()
+        self.rows = parallel.vocab_shard(vocab_size, tp.world_size)
+        self.first = tp.rank * self.rows
         if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+            self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         else:
             if tuple(tied_to.weight.shape) != (vocab_size, hidden_size):
                 raise ValueError(f"tied embedding has shape {tuple(tied_to.weight.shape)}")
@@ -70,13 +77,21 @@ class LMHead(nn.Module):
 
     @property
     def lm_weight(self) -> torch.Tensor:
-        return self._embedding[0].weight if self.tied else self.weight
+        if not self.tied:
+            return self.weight
+        table = self._embedding[0].weight
+        return table if self.rows == self.vocab_size else table[self.first : self.first + self.rows]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.method is not None:
             return self.method(hidden.to(self._dtype)).float()
         w = self.lm_weight
-        return decode_linear(hidden.to(w.dtype), w).float()
+        logits = decode_linear(hidden.to(w.dtype), w).float()
+        if self.rows == self.vocab_size:
+            return logits
+        if logits.shape[-1] < self.rows:  # the last rank's rows of a tied table: padded
+            logits = torch.nn.functional.pad(logits, (0, self.rows - logits.shape[-1]))
+        return parallel.current().gather_last(logits, self.vocab_size)
 
     @property
     def quantized(self) -> bool:

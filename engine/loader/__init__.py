@@ -42,7 +42,7 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
-               weights: str = "auto", mtp: bool = False, vision: bool = False) -> CausalLM:
+               weights: str = "auto", mtp: bool = False, vision: bool = False, shard=None) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
     (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0, GPTQ / AWQ
@@ -51,7 +51,10 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     (``quantized_at_load``). ``mtp``: with the checkpoint's MTP head (``models/mtp.py``, for
     ``--spec mtp``); without it ``model.config.mtp_layers`` is 0. ``vision``: with the
     checkpoint's vision tower as ``model.visual`` (``vision/encoder.py``, for ``--vision``; held
-    in ``dtype``, never quantized); without it ``model.visual`` is None."""
+    in ``dtype``, never quantized); without it ``model.visual`` is None. ``shard``: one
+    tensor-parallel rank's part (a ``parallel.Sharder``: its layers built from
+    ``parallel.shard_config``, only its slices of the checkpoint read; quantized formats
+    dequantized whole first, ``weights`` "auto" on a quantized checkpoint refused)."""
     from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
@@ -62,9 +65,19 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     config = ckpt.config
     if mtp and (ckpt.mtp_weights is None or not config.mtp_layers):
         raise ValueError(f"{ckpt.source} has no MTP weights (mtp.*): serve it with --spec off or ngram")
-    model = build_model(config, dtype=dtype, device=device, mtp=mtp)
     keep = weights == "auto" and ckpt.quantized_weights is not None
+    if shard is not None:
+        from ..parallel import shard_config
+
+        if keep:
+            raise ValueError(f"{ckpt.source} holds quantized weights, which tensor parallelism splits only "
+                             "dequantized: serve it with --weights dense")
+        config = shard_config(config, shard.world)
+    model = build_model(config, dtype=dtype, device=device, mtp=mtp)
     source = ckpt.weights() if not mtp else chain(ckpt.weights(), ckpt.mtp_weights())
+    if shard is not None:
+        source = ckpt.sliced_weights(shard) if ckpt.sliced_weights is not None else \
+            ((name, shard(name, tensor)) for name, tensor in ckpt.weights())
     if weights in QUANTIZED_AT_LOAD:
         keep = True
         tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device))

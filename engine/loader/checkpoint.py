@@ -56,6 +56,10 @@ class Checkpoint:
     # (a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 matrices, GPTQ / AWQ projections whose groups are
     # runs of consecutive columns); None when the checkpoint has none
     quantized_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None
+    # ``weights`` with each tensor passed through ``take(name, source)``, ``source`` a slice of the
+    # file that reads only what ``take`` indexes (tensor parallelism: ``parallel.Sharder``); None
+    # where the format reads whole tensors (``take`` then gets those)
+    sliced_weights: Callable[[Callable[[str, Any], torch.Tensor]], Iterable[tuple[str, Any]]] | None = None
     # the MTP head's tensors (``mtp.*``, loaded by ``load_model(..., mtp=True)`` for ``--spec mtp``);
     # None when the checkpoint has none
     mtp_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None

@@ -105,9 +105,12 @@ def vision_weights(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Ten
 
 
 def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, plan: QuantPlan | None = None,
-                 keep_quantized: bool = False, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+                 keep_quantized: bool = False, mtp: bool = False,
+                 take=None) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
     """``(normalised name, tensor)`` one at a time, skipping the groups in ``SKIPPED_PREFIXES``
-    (``mtp``: the MTP head's tensors only, named ``mtp.*``).
+    (``mtp``: the MTP head's tensors only, named ``mtp.*``). With ``take`` each tensor is
+    ``take(name, slice)``, the file's slice (``get_slice``) read only where ``take`` indexes it;
+    a quantized projection is read whole, dequantized, then given to ``take``.
 
     In a pre-quantized checkpoint (``quant``, its tensors ``plan``: ``hf_quant.py``) each
     quantized projection comes once, as ``P.weight``, when its anchor tensor comes: FP8 ones
@@ -138,7 +141,7 @@ def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, 
                     continue
                 module = anchors.get(name)
                 if module is None:
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(name) if take is None else take(_named(name, mtp), f.get_slice(name))
                     if tensor.dtype in FP8_DTYPES:
                         raise ValueError(f"{name} is float8 with no {name}_scale_inv"
                                          + ("" if quant else " and the checkpoint has no quantization_config"))
@@ -153,6 +156,8 @@ def iter_weights(files: dict[str, list[str]], quant: QuantConfig | None = None, 
                         if keep_quantized:
                             dequantized.append(module)
                         weight = packed.dequantize()
+                if take is not None:
+                    weight = take(_named(f"{module}.weight", mtp), weight)
                 yield _named(f"{module}.weight", mtp), weight
     if dequantized:
         log.info("%d %s projections dequantized at load: their groups are not runs of consecutive input "
@@ -236,6 +241,7 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(
         config=config,
         weights=lambda: iter_weights(files, quant, plan),
+        sliced_weights=lambda take: iter_weights(files, quant, plan, take=take),
         quantized_weights=(lambda: iter_weights(files, quant, plan, keep_quantized=True))
         if quant is not None and quant.packed else None,
         tokenizer=tokenizer,

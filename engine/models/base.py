@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .. import parallel
 from ..cache.sequence import SequenceCache
 from ..config import ModelConfig
 
@@ -138,7 +139,11 @@ class PreNormLayer(nn.Module):
     (``RMSNorm(x, residual)``), or, where the next module has ``forward_residual`` (the mixers'
     input projections, the MoE router), with that module's first kernel. Subclasses hold
     ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` and say which token mixer runs
-    (``mixer``)."""
+    (``mixer``).
+
+    Under tensor parallelism (``parallel.py``) the mixer's and the MLP's outputs are each rank's
+    partial sums (their last projections split by input columns): one all-reduce after each makes
+    them whole, the only collectives of a block."""
 
     def mixer(self) -> nn.Module:
         raise NotImplementedError
@@ -147,7 +152,7 @@ class PreNormLayer(nn.Module):
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``: the previous layer's output is added to the residual
         stream here; the stack adds the last one (:class:`PreNormStack`)."""
-        mixer = self.mixer()
+        mixer, tp = self.mixer(), parallel.current()
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
             mixed = mixer(hidden, batch)
@@ -156,11 +161,13 @@ class PreNormLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
             mixed = mixer(hidden, batch)
+        mixed = tp.all_reduce(mixed)
         fused = getattr(self.mlp, "forward_residual", None)  # MoE: add + norm + routing in one launch
         if fused is not None:
-            return fused(mixed, residual, self.post_attention_layernorm)
+            out, residual = fused(mixed, residual, self.post_attention_layernorm)
+            return tp.all_reduce(out), residual
         hidden, residual = self.post_attention_layernorm(mixed, residual)
-        return self.mlp(hidden), residual
+        return tp.all_reduce(self.mlp(hidden)), residual
 
 
 class PreNormStack(nn.Module):

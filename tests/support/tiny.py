@@ -70,8 +70,9 @@ def _perturb(model, std: float) -> None:
             p.add_(torch.randn_like(p) * std)
 
 
-def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
-    """A 4-layer hybrid Qwen3.5 (3 Gated DeltaNet + 1 gated attention, GQA), dense or MoE."""
+def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False, noise: float = 0.3) -> Path:
+    """A 4-layer hybrid Qwen3.5 (3 Gated DeltaNet + 1 gated attention, GQA), dense or MoE.
+    ``noise``: the standard deviation added to every weight (0.3: loud, sharp distributions)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False) -> Path:
         model = transformers.Qwen3_5MoeForCausalLM(cfg)
     else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text, intermediate_size=96))
-    _perturb(model, 0.3)
+    _perturb(model, noise)
     model.save_pretrained(path)
     return path
 
@@ -171,9 +172,9 @@ def tiny_png(width: int, height: int, seed: int = 0, noise: bool = False) -> byt
     return buf.getvalue()
 
 
-def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
+def save_tiny_qwen3_next(path: Path, seed: int = 0, noise: float = 0.3) -> Path:
     """A 4-layer hybrid Qwen3-Next (fused GDN projections; layer 1 a dense MLP, the others sparse
-    MoE with a shared expert)."""
+    MoE with a shared expert); ``noise`` as ``save_tiny_qwen3_5``'s."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -187,7 +188,7 @@ def save_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         decoder_sparse_step=1, mlp_only_layers=[1])
     model = transformers.Qwen3NextForCausalLM(cfg)
-    _perturb(model, 0.3)
+    _perturb(model, noise)
     model.save_pretrained(path)
     return path
 
