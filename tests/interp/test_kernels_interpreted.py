@@ -354,10 +354,11 @@ def test_k_quant_weights_through_the_triton_method(rows, monkeypatch):
         assert rel_err(method(x), x @ ref.T) < 1e-5
 
 
-def test_fused_gdn_step_runs_verify_rows_in_waves(tmp_path_factory):
-    """Speculative verify rows of a hybrid model through the fused GDN step kernel: each wave a
-    launch over distinct slots, each position's states kept and the accepted one put back (drafts
-    from the answers with a token spoiled at a moving place, so every accepted length is seen)."""
+def test_fused_gdn_verify_runs_speculative_rows(tmp_path_factory):
+    """Speculative verify rows of a hybrid model through the GDN verify kernel: one launch per
+    layer for every verifying request, each position's states kept and the accepted one copied
+    into the slot (drafts from the answers with a token spoiled at a moving place, so every
+    accepted length is seen)."""
     from support.overlap import drive
     from support.spec_drafts import AnswerDrafter, use_drafter
 
