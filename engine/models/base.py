@@ -63,10 +63,14 @@ class VerifyRows:
     def buffers(self, states) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-position state buffers (allocated on first use) for ``states``, the step's pool."""
         if self.conv is None:
-            self.conv = states.conv.new_empty(states.conv.shape[0], self.positions, *states.conv.shape[2:])
-            self.recurrent = states.recurrent.new_empty(states.recurrent.shape[0], self.positions,
-                                                        *states.recurrent.shape[2:])
+            self.conv, self.recurrent = self.allocate(states, self.positions)
         return self.conv, self.recurrent
+
+    @staticmethod
+    def allocate(states, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify buffers of ``rows`` positions for the state pool ``states``."""
+        return (states.conv.new_empty(states.conv.shape[0], rows, *states.conv.shape[2:]),
+                states.recurrent.new_empty(states.recurrent.shape[0], rows, *states.recurrent.shape[2:]))
 
     def commit(self, states, request, slot: int, index: int) -> None:
         """Slot ``slot`` (``request``'s) takes the states after its position ``index`` of the
