@@ -120,6 +120,7 @@ class CudaGraphVerifier:
         self.input_ids, self.positions, self.write_index, self.row_slots = wide.unbind(0)
         self.inputs.copy_(self._stages[0].bytes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # steps run from a graph (the benchmark reports them)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The logits of a verify step of bucket ``b`` from the static inputs."""
@@ -177,6 +178,7 @@ class CudaGraphVerifier:
         self.inputs[:end].copy_(stage.bytes[:end], non_blocking=True)
         graph, logits = self.graphs[b]
         graph.replay()
+        self.replays += 1
         verify = None
         if self.buffers is not None:
             verify = VerifyRows(first=0, slots=self.slots[:n], cu_seqlens=self.cu[: n + 1], positions=n * w,
