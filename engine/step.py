@@ -211,9 +211,9 @@ def _verify_rows(layout: list[tuple[Request, int, int]], num_decode: int, verify
         ids.append(slots[i])
         cu.append(cu[-1] + width)
         i += width
-    host = torch.tensor(ids + cu, dtype=torch.long)
+    at = len(_aligned(ids, 2))  # the bounds 16-byte aligned, as every segment in ``_describe``
+    host = torch.tensor(_aligned(ids, 2) + cu, dtype=torch.long)
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
-    return VerifyRows(first=first, slots=dev[: len(ids)], cu_seqlens=dev[len(ids):], positions=cu[-1],
-                      requests=requests)
+    return VerifyRows(first=first, slots=dev[: len(ids)], cu_seqlens=dev[at:], positions=cu[-1], requests=requests)
