@@ -299,10 +299,14 @@ def bench_ours(name: str, batches: list[int], context: int, prefills: list[int],
         if verify > 1:
             made, c = sum(len(r.output_ids) for r in reqs), engine.counters
             rounds, drafts = c.spec_rounds, c.spec_draft_tokens
+            graphs = engine.runner.verify_graphs
+            replays = graphs.replays if graphs is not None else 0
             vt = decode_step_s(engine, reqs, steps, RejectedDrafter(verify - 1))
             rounds = c.spec_rounds - rounds
             out["decode"][b]["verify"] = {
                 "rows": verify, "ms_per_step": vt * 1e3, "vs_decode": vt / dt,
+                # steps replayed from a captured verify graph (of the timed and warm-up ones)
+                "graph_steps": (graphs.replays - replays) if graphs is not None else 0,
                 "tokens_per_row": (sum(len(r.output_ids) for r in reqs) - made) / max(rounds, 1),
                 "drafts_per_row": (c.spec_draft_tokens - drafts) / max(rounds, 1)}
         for r in reqs:
@@ -439,7 +443,8 @@ def table(results: dict, ceilings: dict) -> str:
                 drafts = v["rows"] - 1
                 gain = (f"; at {PUBLISHED_ACCEPTANCE[drafts]} accepted a round "
                         f"{PUBLISHED_ACCEPTANCE[drafts] / v['vs_decode']:.2f}x decode") if drafts in PUBLISHED_ACCEPTANCE else ""
-                rows.append(f"| {name} | verify b={b}, rows of {v['rows']} | {v['ms_per_step']:.2f} ms a step, "
+                graphed = ", graph" if v.get("graph_steps") else ", eager"
+                rows.append(f"| {name} | verify b={b}, rows of {v['rows']} | {v['ms_per_step']:.2f} ms a step{graphed}, "
                             f"{v['vs_decode']:.2f}x the decode step ({v['tokens_per_row']:.2f} tokens a row kept{gain}) "
                             f"| | | | | |")
         for n, p in ours["prefill"].items():

@@ -70,7 +70,8 @@ class LLMEngine:
             self.runner.keep_hidden = True
         self.scheduler = Scheduler(config, self.caches, self.drafter)
         if graphs:
-            self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context)
+            self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
+                                           config.draft_tokens + 1 if config.spec == "ngram" else 0)
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from . import launch
 from .cache.manager import CacheManager
-from .models.base import CausalLM
+from .models.base import CausalLM, VerifyRows
 from .request import Request
 from .outputs import TokenLogprob
 from .sampler import Sampler, StepLogprobs
@@ -111,6 +112,10 @@ class ModelRunner:
         self.vocab = vocab
         self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
+        self.verify_graphs = None  # CudaGraphVerifier (verify steps of full drafts), when captured
+        # the Gated DeltaNet states after each verified position (``VerifyRows``): one pair of
+        # buffers for every verify step, eager or captured, grown as a step needs
+        self._verify_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         # every step eager, its final hidden states kept on its ``Launched`` (``--spec mtp``)
         self.keep_hidden = False
         self._pinned: list[torch.Tensor] = []  # two token read-back buffers, used in turn
@@ -121,11 +126,30 @@ class ModelRunner:
         # the other ranks before its forward
         self.leader = None
 
-    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, verify_width: int = 0) -> None:
+        """Capture decode steps, and with ``verify_width`` > 1 (and the launch setting
+        ``verify_in_graph``) verify steps of that many rows per request."""
         from .cuda_graphs import CudaGraphDecoder
 
         self.graphs = CudaGraphDecoder(self.model, self.caches, max_batch, max_context, self.device, self.vocab)
         self.graphs.capture()
+        if verify_width > 1 and launch.current().verify_in_graph:
+            from .cuda_graph_verify import CudaGraphVerifier
+
+            self.verify_graphs = CudaGraphVerifier(self.model, self.caches, self.graphs.buckets, verify_width,
+                                                   max_context, self.device, self.vocab,
+                                                   self.verify_buffers(max_batch * verify_width))
+            self.verify_graphs.capture()
+
+    def verify_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The verify buffers (``VerifyRows``), of at least ``rows`` positions; None without
+        recurrent layers."""
+        states = self.caches.states
+        if states is None:
+            return None
+        if self._verify_buffers is None or self._verify_buffers[0].shape[1] < rows:
+            self._verify_buffers = VerifyRows.allocate(states, rows)
+        return self._verify_buffers
 
     def execute(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run ``n`` new tokens for each ``(request, n)``; advance ``num_computed``; return the
@@ -139,6 +163,8 @@ class ModelRunner:
             reqs = [r for r, _ in plan]
             if all(n == 1 for _, n in plan) and all(r.decode_ready for r in reqs) and not self.keep_hidden:
                 return self._launch_decode(plan, reqs, None)
+            if self.verify_graphs is not None and not self.keep_hidden and self.verify_graphs.fits(plan):
+                return self._launch_verify(plan, reqs)
             return self._launch_step(plan)
 
     def launch_next(self, prev: Launched, reqs: list[Request]) -> Launched:
@@ -162,6 +188,16 @@ class ModelRunner:
         for r in reqs:
             r.num_computed += 1
         return self._launched(plan, reqs, logits, decode=True, greedy=greedy, defer=defer)
+
+    def _launch_verify(self, plan, reqs: list[Request]) -> Launched:
+        """A step of full verify rows only, replayed from a captured graph (``cuda_graph_verify.py``)."""
+        logits, verify = self.verify_graphs.run(reqs)
+        width = self.verify_graphs.width
+        for r in reqs:
+            r.num_computed += width
+        launched = self._launched(plan, reqs, logits, decode=False, widths=[width] * len(reqs))
+        launched.verify = verify
+        return launched
 
     def _launched(self, plan, ready: list[Request], logits: torch.Tensor | None, decode: bool,
                   greedy: torch.Tensor | None = None, defer: bool = False,
@@ -236,6 +272,9 @@ class ModelRunner:
         request never decodes, so it is never in a decode step)."""
         self._encode_images(plan)
         step = build_step(plan, self.caches, self.device)
+        verify = step.batch.step.verify
+        if verify is not None:
+            verify.conv, verify.recurrent = self.verify_buffers(verify.positions)
         hidden = self._forward(step, step.sample_index if step.sampled else None)
         at, rows = 0, []
         for req, n in step.plan:

@@ -60,8 +60,8 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     decoding): it is laid out as one decode row per position, each with the context
     up to itself over the same pages (every K/V is written before any row attends), so every
     position is computed exactly as a one-token step computes it; all of them are sampled. In a
-    model with Gated DeltaNet layers those rows share the request's state slot and run in waves
-    (``VerifyRows``, one position of every verifying request per wave)."""
+    model with Gated DeltaNet layers those rows share the request's state slot: those layers run
+    each request's positions in order from the slot, which they only read (``VerifyRows``)."""
     plan = order_rows(plan)
     layout = []  # (request, first position, new tokens): the rows StepMeta describes
     verify = set()  # the requests whose rows verify a draft
@@ -195,37 +195,25 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
 
 def _verify_rows(layout: list[tuple[Request, int, int]], num_decode: int, verify: set[int], slots: list[int],
                  device: torch.device) -> VerifyRows:
-    """The waves of a step's verify rows (``VerifyRows``): wave 0 runs every decode row that is
-    not a verifying request's second position or later; wave ``j`` the ``j``-th of each."""
-    waves: list[list[int]] = [[]]
-    keep: list[tuple[list[int], list[int]]] = [([], [])]
-    requests: dict[int, tuple[int, int]] = {}
-    positions = 0
-    i = 0
+    """The verify rows of a step (``VerifyRows``): the decode rows from the first verifying
+    request's on, each request's positions one after another."""
+    first = next(i for i in range(num_decode) if id(layout[i][0]) in verify)
+    cu, ids, requests = [0], [], {}
+    i = first
     while i < num_decode:
         req = layout[i][0]
         if id(req) not in verify:
-            waves[0].append(i)
-            i += 1
-            continue
+            raise RuntimeError("a plain decode row among the rows that verify drafts")
         width = 1
         while i + width < num_decode and layout[i + width][0] is req:
             width += 1
-        requests[id(req)] = (positions, width)
-        for j in range(width):
-            if j == len(waves):
-                waves.append([])
-                keep.append(([], []))
-            waves[j].append(i + j)
-            if j < width - 1:  # the state after its last position stays in the slot
-                keep[j][0].append(slots[i + j])
-                keep[j][1].append(positions + j)
-        positions += width - 1
+        requests[id(req)] = (cu[-1], width)
+        ids.append(slots[i])
+        cu.append(cu[-1] + width)
         i += width
-
-    def ids(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-    return VerifyRows(waves=[ids(w) for w in waves],
-                      keep=[(ids(s), ids(at)) if s else None for s, at in keep],
-                      positions=positions, requests=requests)
+    at = len(_aligned(ids, 2))  # the bounds 16-byte aligned, as every segment in ``_describe``
+    host = torch.tensor(_aligned(ids, 2) + cu, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return VerifyRows(first=first, slots=dev[: len(ids)], cu_seqlens=dev[at:], positions=cu[-1], requests=requests)

@@ -34,6 +34,7 @@ from .gdn_ops import (
     varlen_conv1d_fla,
     varlen_gated_delta_rule,
 )
+from .gdn_verify import gdn_verify
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
@@ -160,29 +161,23 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
                      meta) -> torch.Tensor:
         """One token for each of the first ``len(qkv)`` rows, states in their slots: conv,
         recurrence and the gated output norm, ``[n, value_dim]`` (``out_proj``'s input). Rows that
-        verify drafts (``meta.verify``) share their request's slot and run in waves, each position
-        from the state the one before it left, the states after each kept for ``VerifyRows.commit``."""
+        verify drafts (``meta.verify``, after the plain decode rows) share their request's slot and
+        run in one call, each request's positions in order from the slot, which they leave as it
+        is; the states after each position are kept for ``VerifyRows.commit``."""
         n = qkv.shape[0]
         verify = meta.verify
         if verify is None:
             return self._decode_slots(qkv, z, b, a, meta.slot_ids[:n], meta)
+        d, t = verify.first, n - verify.first
         gi = meta.gdn_ordinal[self.layer_idx]
-        states = meta.states
-        if verify.conv is None:  # the first GDN layer of the step
-            verify.conv = states.conv.new_empty(states.conv.shape[0], verify.positions, *states.conv.shape[2:])
-            verify.recurrent = states.recurrent.new_empty(states.recurrent.shape[0], verify.positions,
-                                                          *states.recurrent.shape[2:])
-        out = qkv.new_empty(n, self.value_dim)
-        for rows, keep in zip(verify.waves, verify.keep):
-            slots = meta.slot_ids.index_select(0, rows)
-            part = self._decode_slots(qkv.index_select(0, rows), z.index_select(0, rows), b.index_select(0, rows),
-                                      a.index_select(0, rows), slots, meta)
-            out.index_copy_(0, rows, part.to(out.dtype))
-            if keep is not None:
-                kept_slots, at = keep
-                verify.conv[gi].index_copy_(0, at, states.conv[gi].index_select(0, kept_slots))
-                verify.recurrent[gi].index_copy_(0, at, states.recurrent[gi].index_select(0, kept_slots))
-        return out
+        conv, recurrent = verify.buffers(meta.states)
+        o = gdn_verify(qkv[d:], a[d:], b[d:], meta.states.conv[gi], self.conv1d.weight, self.A_log, self.dt_bias,
+                       meta.states.recurrent[gi], verify.slots, verify.cu_seqlens, conv[gi], recurrent[gi],
+                       self.num_k_heads)
+        out = self.norm(o, z[d:].view(t, self.num_v_heads, self.head_v_dim)).reshape(t, self.value_dim)
+        if not d:
+            return out
+        return torch.cat([self._decode_slots(qkv[:d], z[:d], b[:d], a[:d], meta.slot_ids[:d], meta), out])
 
     def _decode_slots(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                       slots: torch.Tensor, meta) -> torch.Tensor:

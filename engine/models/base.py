@@ -43,27 +43,43 @@ class PromptRows:
 @dataclass
 class VerifyRows:
     """The decode rows of a step that verify drafts (speculative decoding, ``spec.py``): each
-    verifying request runs as ``1 + k`` decode rows over one state slot, position ``j`` of every
-    such request in wave ``j``. A Gated DeltaNet layer runs the waves one after another, so each
-    position continues from the state the one before it left in the slot, and keeps the state after
-    every position but a request's last in ``conv`` / ``recurrent`` (the last one stays in the
-    slot): once the drafts are checked, ``commit`` puts the state after the last accepted position
-    back in the slot, with nothing computed again."""
+    verifying request runs as ``1 + k`` decode rows over one state slot, the requests one after
+    another from decode row ``first`` on (the plain decode rows before them). A Gated DeltaNet
+    layer runs them all in one call (``layers/gdn_verify.py``), every request from its slot's
+    states, which it only reads, and keeps the states after every position in ``conv`` /
+    ``recurrent``: once the drafts are checked, ``commit`` copies the states after the last
+    accepted position into the slot (all layers at once), with nothing computed again; a rejected
+    draft leaves no trace in the slot."""
 
-    waves: list[torch.Tensor]  # per wave, the decode rows it runs (int64, on the device)
-    # per wave, where the states it leaves are kept: (the rows' state slots, their rows in the buffers)
-    keep: list[tuple[torch.Tensor, torch.Tensor] | None]
-    positions: int  # rows of the buffers: every verifying request's positions but its last
+    first: int  # the decode row of the first verifying request's first position
+    slots: torch.Tensor  # [Q] int64 on the device: each verifying request's state slot
+    cu_seqlens: torch.Tensor  # [Q + 1] int64 on the device: each one's rows, counted from ``first``
+    positions: int  # every verifying request's positions: the rows of the buffers
     requests: dict[int, tuple[int, int]]  # id(request) -> (its first row in the buffers, its positions)
-    # filled by the first Gated DeltaNet layer that runs: [gdn layers, positions, ...] per state
+    # [gdn layers, rows, ...] per state, the pools' shapes past their slot dim: allocated by the
+    # first Gated DeltaNet layer that runs, or given (a captured verify step's)
     conv: torch.Tensor | None = None
     recurrent: torch.Tensor | None = None
 
+    def buffers(self, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-position state buffers (allocated on first use) for ``states``, the step's pool."""
+        if self.conv is None:
+            self.conv, self.recurrent = self.allocate(states, self.positions)
+        return self.conv, self.recurrent
+
+    @staticmethod
+    def allocate(states, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify buffers of ``rows`` positions for the state pool ``states``."""
+        return (states.conv.new_empty(states.conv.shape[0], rows, *states.conv.shape[2:]),
+                states.recurrent.new_empty(states.recurrent.shape[0], rows, *states.recurrent.shape[2:]))
+
     def commit(self, states, request, slot: int, index: int) -> None:
         """Slot ``slot`` (``request``'s) takes the states after its position ``index`` of the
-        verify row (nothing when that is its last position: the slot holds it already)."""
+        verify row, in every Gated DeltaNet layer."""
         at, width = self.requests[id(request)]
-        if self.conv is None or index >= width - 1:
+        if not 0 <= index < width:
+            raise ValueError(f"verify row of {width} positions: no state after position {index}")
+        if self.conv is None:
             return
         states.conv[:, slot] = self.conv[:, at + index]
         states.recurrent[:, slot] = self.recurrent[:, at + index]

@@ -43,9 +43,10 @@ def test_verify_rows_are_timed_beside_the_decode_step_and_shown_in_the_table():
         assert v["vs_decode"] == v["ms_per_step"] / out["decode"][b]["ms_per_step"]
         assert v["drafts_per_row"] == 3  # a full row checked in every round
         assert 1.0 <= v["tokens_per_row"] < 1.5  # the model's own token kept
+        assert v["graph_steps"] == 0  # on a CPU every verify step runs eagerly
     text = table({"tiny": {"ninfer": out}}, {"gpu": "cpu", "copy_gb_s": 10.0, "matmul_tflops": 1.0})
     row = next(line for line in text.splitlines() if "verify b=3" in line)
-    assert f"{out['decode'][3]['verify']['vs_decode']:.2f}x the decode step" in row
+    assert f"{out['decode'][3]['verify']['vs_decode']:.2f}x the decode step" in row and "a step, eager" in row
     assert f"{2.8 / out['decode'][3]['verify']['vs_decode']:.2f}x decode" in row
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_verify, check_moe_block, check_moe_norm_route,
                                   check_int4_gemv, check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
@@ -158,6 +158,14 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
 def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads, block_v):
     check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128,
                      block_v=block_v)
+
+
+@pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (4, 12)])
+@pytest.mark.parametrize("block_v", [None, 128])
+def test_gdn_verify_kernel_vs_decode_steps(k_heads, v_heads, block_v):
+    """The verify kernel at the real head size (128 x 128 states), rows of 5, 5 and 2 positions."""
+    check_gdn_verify("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128,
+                     widths=(5, 5, 2), block_v=block_v)
 
 
 @pytest.mark.parametrize("shared", [512, 384, 0])

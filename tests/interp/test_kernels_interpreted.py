@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_moe_block, check_moe_norm_route,
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_verify, check_moe_block, check_moe_norm_route,
                                   check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
 
 
@@ -126,6 +126,19 @@ def test_gdn_decode_with_a_half_precision_state(state_dtype):
     """``--state-dtype bf16 / fp16``: the kernel reads the state, updates it in fp32 and stores it
     rounded, as the torch decode path does."""
     check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16, state_dtype=state_dtype)
+
+
+@pytest.mark.parametrize("v_heads, block_v, widths", [(4, None, (3, 1, 5, 2)), (6, 8, (4, 4)), (4, 16, (2,))])
+def test_gdn_verify(v_heads, block_v, widths):
+    """Verify rows of several requests (of different lengths, one or several programs per head)."""
+    check_gdn_verify("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, widths=widths,
+                     block_v=block_v)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gdn_verify_with_a_half_precision_state(state_dtype):
+    """Each position continues from its state rounded as the pool holds it, as a decode step would."""
+    check_gdn_verify("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16, state_dtype=state_dtype)
 
 
 @pytest.mark.parametrize("shared", [32, 48, 0])
@@ -341,10 +354,11 @@ def test_k_quant_weights_through_the_triton_method(rows, monkeypatch):
         assert rel_err(method(x), x @ ref.T) < 1e-5
 
 
-def test_fused_gdn_step_runs_verify_rows_in_waves(tmp_path_factory):
-    """Speculative verify rows of a hybrid model through the fused GDN step kernel: each wave a
-    launch over distinct slots, each position's states kept and the accepted one put back (drafts
-    from the answers with a token spoiled at a moving place, so every accepted length is seen)."""
+def test_fused_gdn_verify_runs_speculative_rows(tmp_path_factory):
+    """Speculative verify rows of a hybrid model through the GDN verify kernel: one launch per
+    layer for every verifying request, each position's states kept and the accepted one copied
+    into the slot (drafts from the answers with a token spoiled at a moving place, so every
+    accepted length is seen)."""
     from support.overlap import drive
     from support.spec_drafts import AnswerDrafter, use_drafter
 

@@ -136,6 +136,64 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
     assert (counts[slot_ids, :k_heads] == 2 * (v_heads // k_heads) * (head_dim // block_v)).all()
 
 
+def check_gdn_verify(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int, head_dim: int,
+                     widths: tuple[int, ...] = (3, 1, 5, 2), block_v: int | None = None,
+                     state_dtype: torch.dtype = torch.float32) -> None:
+    """The verify kernel (every request's rows from its slot, the states after each row kept)
+    and its torch reference against the layer's torch decode step run row after row on CPU copies
+    of the pools, one request at a time: each row's output (before the norm) and the states it
+    leaves; the pools themselves unchanged."""
+    import copy
+
+    from ninfer.engine.layers.gdn_verify import gdn_verify_reference
+    from ninfer.engine.layers.gdn_verify_triton import gdn_verify_triton
+    from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
+
+    layer = GatedDeltaNet(0, hidden, num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head_dim,
+                          head_v_dim=head_dim)
+    _randomize(layer, 0.5)
+    ref_layer = copy.deepcopy(layer)
+    layer = layer.to(device)
+    slots = 9
+    conv = torch.randn(slots, 3, layer.conv_dim, device=device, dtype=dtype)
+    rec = (torch.randn(slots, v_heads, head_dim, head_dim, device=device) * 0.1).to(state_dtype)
+    slot_ids = torch.tensor([7, 2, 0, 5, 3, 8][: len(widths)], device=device)
+    cu = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], device=device)
+    rows = int(cu[-1])
+    qkv = torch.randn(rows, layer.conv_dim, device=device, dtype=dtype)
+    ab = torch.randn(rows, 2 * v_heads, device=device, dtype=dtype)
+    a, b = ab[:, :v_heads], ab[:, v_heads:]  # views of one projection's output, as in the layer
+
+    conv_ref, rec_ref = conv.cpu().clone(), rec.cpu().clone()
+    want_o = torch.empty(rows, v_heads, head_dim)
+    want_conv = torch.empty(rows, *conv.shape[1:], dtype=dtype)
+    want_rec = torch.empty(rows, *rec.shape[1:], dtype=state_dtype)
+    g, beta = ref_layer._gates(a.cpu(), b.cpu())
+    for i, slot in enumerate(slot_ids.tolist()):
+        pools = SimpleNamespace(conv=conv_ref[None].clone(), recurrent=rec_ref[None].clone())
+        meta = SimpleNamespace(gdn_ordinal={0: 0}, states=pools)
+        for r in range(int(cu[i]), int(cu[i + 1])):
+            at = torch.tensor([slot])
+            want_o[r] = ref_layer._decode(qkv[r : r + 1].cpu(), g[r : r + 1], beta[r : r + 1], at, meta)[0]
+            want_conv[r], want_rec[r] = pools.conv[0, slot], pools.recurrent[0, slot]
+
+    for run in (gdn_verify_triton, gdn_verify_reference):
+        if run is gdn_verify_triton and block_v is not None:
+            run = lambda *args: gdn_verify_triton(*args, block_v=block_v)  # noqa: E731
+        conv_out = torch.full((rows + 2, *conv.shape[1:]), float("nan"), device=device, dtype=dtype)
+        rec_out = torch.full((rows + 2, *rec.shape[1:]), float("nan"), device=device).to(state_dtype)
+        o = run(qkv, a, b, conv, layer.conv1d.weight, layer.A_log, layer.dt_bias, rec, slot_ids, cu,
+                conv_out, rec_out, k_heads)
+        assert o.shape == (rows, v_heads, head_dim) and o.dtype == dtype
+        assert rel_err(o.cpu(), want_o) < 2e-2
+        torch.testing.assert_close(conv_out[:rows].cpu(), want_conv)
+        assert rel_err(rec_out[:rows].cpu().float(), want_rec.float()) < \
+            (1e-3 if state_dtype == torch.float32 else 1e-2)
+        assert torch.isnan(conv_out[rows:].float()).all() and torch.isnan(rec_out[rows:].float()).all()
+        torch.testing.assert_close(conv.cpu(), conv_ref)  # the slots only read
+        torch.testing.assert_close(rec.cpu(), rec_ref)
+
+
 def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
                     top_k: int, inter: int, shared: int, gemv_limit: int | None = None) -> None:
     """Routing, then grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or

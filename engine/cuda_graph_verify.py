@@ -1,0 +1,194 @@
+"""Verify steps of speculative decoding captured in CUDA graphs, one graph per batch-size bucket.
+
+A step in which every request verifies a full draft (``width - 1`` tokens after its last one) is
+``width`` decode rows per request (``step.build_step``): the same shape each time for a given
+number of requests, so it is captured as decode steps are (``cuda_graphs.py``). All inputs live
+in one static device buffer: per row its token id, position, KV write row and state slot (int64)
+and its context length (int32); per request its state slot and row bounds (int64, for the Gated
+DeltaNet verify kernel, ``layers/gdn_verify.py``) and its block table (int32), which the graph
+widens to a table per row. A step writes the real requests in, pads the rest of the bucket with
+the reserved padding page and slot, sends it in one copy and replays; the graph ends with the
+logits of every row, which the sampler draws from as from an eager verify step's. The states
+after each position land in the runner's verify buffers (shared with the eager verify steps), and
+``VerifyRows.commit`` takes them from there as after an eager step.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .cache.kv_pool import pool_row
+from .cache.manager import CacheManager
+from .models.base import CausalLM, ForwardBatch, StepMeta, VerifyRows
+from .request import Request
+from .runner import sampled_logits
+
+log = logging.getLogger("ninfer.engine")
+
+
+def _aligned16(offset: int) -> int:
+    return -(-offset // 16) * 16
+
+
+class _Layout:
+    """Where each input sits in the buffer of ``n`` requests of ``width`` rows (bytes): the int64
+    rows (token ids, positions, KV write rows, row slots), the requests' slots and row bounds, then
+    the int32 context lengths and the requests' block tables (last, so a bucket sends its own)."""
+
+    def __init__(self, n: int, width: int, max_pages: int) -> None:
+        self.n, self.width, self.max_pages = n, width, max_pages
+        self.rows = rows = n * width
+        up = _aligned16  # each part starts 16-byte aligned: Triton specializes a kernel on it
+        self.slots = up(4 * rows * 8)
+        self.cu = up(self.slots + n * 8)
+        self.lens = up(self.cu + (n + 1) * 8)
+        self.tables = up(self.lens + rows * 4)
+
+    def end(self, b: int) -> int:
+        """Bytes a step of bucket ``b`` sends: everything up to its requests' block tables."""
+        return self.tables + b * self.max_pages * 4
+
+    def views(self, buf: torch.Tensor):
+        """``(wide [4, rows], slots [n], cu_seqlens [n + 1], lens [rows], tables [n, max_pages])``."""
+        return (buf[: 4 * self.rows * 8].view(torch.long).view(4, self.rows),
+                buf[self.slots : self.slots + self.n * 8].view(torch.long),
+                buf[self.cu : self.cu + (self.n + 1) * 8].view(torch.long),
+                buf[self.lens : self.lens + self.rows * 4].view(torch.int32),
+                buf[self.tables : self.end(self.n)].view(torch.int32).view(self.n, self.max_pages))
+
+
+class _Stage:
+    """Pinned host bytes laid out as the device buffer, written per step and sent in one copy;
+    a block table row is rewritten only when its request or page count changed."""
+
+    def __init__(self, layout: _Layout, pad: tuple[int, int, int]) -> None:
+        self.layout, self.pad = layout, pad
+        self.bytes = torch.zeros(layout.end(layout.n), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.wide, self.slots, self.cu, self.lens, self.tables = layout.views(self.bytes)
+        self.cu.copy_(torch.arange(layout.n + 1, dtype=torch.long) * layout.width)
+        self.keys: list[tuple[object, int] | None] = [None] * layout.n
+        self._pad(0, layout.n)
+        self.used = 0  # requests written by the last fill (the rest hold padding)
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Requests ``[start, stop)`` as padding: the reserved page and slot, context length 1."""
+        page, write, slot = self.pad
+        w = self.layout.width
+        self.wide[:, start * w : stop * w] = torch.tensor([0, 0, write, slot]).unsqueeze(1)
+        self.slots[start:stop] = slot
+        self.lens[start * w : stop * w] = 1
+        self.tables[start:stop] = page
+        self.keys[start:stop] = [None] * (stop - start)
+
+    def fill(self, reqs: list[Request], page_size: int) -> None:
+        w, n = self.layout.width, len(reqs)
+        if n < self.used:
+            self._pad(n, self.used)
+        ids, pos, writes, row_slots, slots = [], [], [], [], []
+        for i, req in enumerate(reqs):
+            cache, start = req.cache, req.num_computed
+            slot = cache.slot if cache.slot is not None else self.pad[2]
+            slots.append(slot)
+            for p in range(start, start + w):
+                ids.append(req.token_at(p) if p < req.num_tokens else req.draft[p - req.num_tokens])
+                pos.append(p)
+                writes.append(pool_row(cache.pages, p, page_size))
+                row_slots.append(slot)
+            key = self.keys[i]
+            if key is None or key[0] is not cache or key[1] != len(cache.pages):
+                row = cache.pages + [self.pad[0]] * (self.layout.max_pages - len(cache.pages))
+                self.tables[i] = torch.tensor(row, dtype=torch.int32)
+                self.keys[i] = (cache, len(cache.pages))
+        self.wide[:, : n * w] = torch.tensor([ids, pos, writes, row_slots], dtype=torch.long)
+        self.slots[:n] = torch.tensor(slots, dtype=torch.long)
+        self.lens[: n * w] = torch.tensor(pos, dtype=torch.int32) + 1
+        self.used = n
+
+
+class CudaGraphVerifier:
+    """Captured verify steps of ``width`` rows per request, one graph per bucket of ``buckets``."""
+
+    def __init__(self, model: CausalLM, caches: CacheManager, buckets: list[int], width: int, max_context: int,
+                 device: torch.device, vocab: int | None, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.model, self.caches, self.device, self.vocab = model, caches, device, vocab
+        self.width = width
+        self.buckets = list(buckets)
+        self.max_pages = -(-max_context // caches.page_size) + 1
+        self.layout = _Layout(self.buckets[-1], width, self.max_pages)
+        self.buffers = buffers  # the runner's verify buffers (None: no recurrent layers)
+        page, slot = caches.reserve_padding()
+        page = max(page, 0)
+        pad = (page, page * caches.page_size, max(slot, 0))
+        self._stages = [_Stage(self.layout, pad) for _ in range(2)]  # used in turn, as the decoder's
+        self._turn = 0
+        self.inputs = torch.zeros(self.layout.end(self.layout.n), dtype=torch.uint8, device=device)
+        wide, self.slots, self.cu, self.lens, self.tables = self.layout.views(self.inputs)
+        self.input_ids, self.positions, self.write_index, self.row_slots = wide.unbind(0)
+        self.inputs.copy_(self._stages[0].bytes)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # steps run from a graph (the benchmark reports them)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The logits of a verify step of bucket ``b`` from the static inputs."""
+        rows, p = b * self.width, self.max_pages
+        tables = self.tables[:b, None, :].expand(b, self.width, p).reshape(rows, p)  # one per row
+        verify = None
+        if self.buffers is not None:
+            verify = VerifyRows(first=0, slots=self.slots[:b], cu_seqlens=self.cu[: b + 1], positions=rows,
+                                requests={}, conv=self.buffers[0], recurrent=self.buffers[1])
+        meta = StepMeta(kv=self.caches.kv, states=self.caches.states, attn_ordinal=self.caches.attn_ordinal,
+                        gdn_ordinal=self.caches.gdn_ordinal, block_tables=tables, context_lens=self.lens[:rows],
+                        write_index=self.write_index[:rows], slot_ids=self.row_slots[:rows], num_decode=rows,
+                        verify=verify)
+        batch = ForwardBatch(positions=self.positions[:rows], seq_lens=[1] * rows, caches=[], step=meta)
+        return sampled_logits(self.model, self.model(self.input_ids[:rows], batch), self.vocab)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: compiles / autotunes kernels outside the capture
+                    self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(b)
+            self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        log.info("captured verify CUDA graphs of %d rows per request for batch sizes %s", self.width, self.buckets)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def fits(self, plan: list[tuple[Request, int]]) -> bool:
+        """Whether a captured graph runs this step: every row verifies a full draft (``width``
+        rows from its last token), none has images, each one's pages fit the tables."""
+        w = self.width
+        return bool(plan) and self.bucket(len(plan)) is not None and all(
+            n == w and r.num_computed == r.num_tokens - 1 and len(r.draft) >= w - 1 and r.media is None
+            and r.pooled is None and r.cache is not None and r.num_computed + w <= r.cache.capacity
+            and len(r.cache.pages) <= self.max_pages for r, n in plan)
+
+    def run(self, reqs: list[Request]) -> tuple[torch.Tensor, VerifyRows | None]:
+        """Logits ``[len(reqs) * width, vocab]`` of every row of the requests' verify rows (caches
+        not advanced), and the step's ``VerifyRows`` for the commit (None without recurrent layers)."""
+        n, w = len(reqs), self.width
+        b = self.bucket(n)
+        self._turn ^= 1
+        stage = self._stages[self._turn]
+        stage.fill(reqs, self.caches.page_size)
+        end = self.layout.end(b)
+        self.inputs[:end].copy_(stage.bytes[:end], non_blocking=True)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        self.replays += 1
+        verify = None
+        if self.buffers is not None:
+            verify = VerifyRows(first=0, slots=self.slots[:n], cu_seqlens=self.cu[: n + 1], positions=n * w,
+                                requests={id(r): (i * w, w) for i, r in enumerate(reqs)},
+                                conv=self.buffers[0], recurrent=self.buffers[1])
+        return logits[: n * w], verify
