@@ -145,8 +145,10 @@ class CudaGraphVerifier:
         return sampled_logits(self.model, self.model(self.input_ids[:rows], batch), self.vocab)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def capture(self, pool=None) -> None:
+        """Capture every bucket's step, in ``pool`` (the decode graphs': no two graphs run at
+        once, and each step's logits are sampled before the next replay) or a new one."""
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))

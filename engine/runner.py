@@ -139,7 +139,7 @@ class ModelRunner:
             self.verify_graphs = CudaGraphVerifier(self.model, self.caches, self.graphs.buckets, verify_width,
                                                    max_context, self.device, self.vocab,
                                                    self.verify_buffers(max_batch * verify_width))
-            self.verify_graphs.capture()
+            self.verify_graphs.capture(self.graphs.pool)
 
     def verify_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The verify buffers (``VerifyRows``), of at least ``rows`` positions; None without
