@@ -187,8 +187,11 @@ def check_gdn_verify(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
         assert o.shape == (rows, v_heads, head_dim) and o.dtype == dtype
         assert rel_err(o.cpu(), want_o) < 2e-2
         torch.testing.assert_close(conv_out[:rows].cpu(), want_conv)
-        assert rel_err(rec_out[:rows].cpu().float(), want_rec.float()) < \
-            (1e-3 if state_dtype == torch.float32 else 1e-2)
+        # bf16 rows: the conv sums in another order than the torch step's einsum, so a q, k or v
+        # value rounds to the neighbouring bf16 now and then, and the state follows it (2-4e-3
+        # at 128 x 128 heads, at one position as at five)
+        exact = state_dtype == torch.float32 and dtype == torch.float32
+        assert rel_err(rec_out[:rows].cpu().float(), want_rec.float()) < (1e-3 if exact else 1e-2)
         assert torch.isnan(conv_out[rows:].float()).all() and torch.isnan(rec_out[rows:].float()).all()
         torch.testing.assert_close(conv.cpu(), conv_ref)  # the slots only read
         torch.testing.assert_close(rec.cpu(), rec_ref)
