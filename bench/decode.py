@@ -72,7 +72,7 @@ class RejectedDrafter(Drafter):
         super().__init__(draft_tokens, 1, 1)
 
     def propose(self, req: Request) -> list[int]:
-        return [0] * self.limit(req) if self.eligible(req) else []
+        return [0] * self.room(req) if self.eligible(req) else []  # full rows: no adapting to the misses
 
 
 # Accepted tokens per round that Qwen3.6-27B's MTP head is published at, by drafts per round

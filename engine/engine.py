@@ -409,6 +409,8 @@ class LLMEngine:
         req.draft = []
         req.spec_drafted += len(draft)
         req.spec_accepted += kept
+        if self.drafter is not None:
+            self.drafter.adapt(req, len(draft), kept)
         c = self.counters
         c.spec_rounds += 1
         c.spec_draft_tokens += len(draft)

@@ -85,6 +85,9 @@ class Request:
     mtp_draft: list[int] = field(default_factory=list)  # the MTP head's draft, made after the last step
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # drafts this request takes a round now (None: as many as the engine drafts): two more after
+    # a round that kept every draft, one fewer after one that did not (``Drafter.adapt``)
+    spec_len: int | None = None
     # a verify row's Gated DeltaNet states not yet settled in the slot: (VerifyRows, the row's
     # first position), while the engine commits the round (``LLMEngine._verify``)
     verify_states: Any = None

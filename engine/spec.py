@@ -77,13 +77,26 @@ class Drafter:
         self.draft_tokens = draft_tokens
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def limit(self, req: Request) -> int:
-        """How many drafts ``req`` may take now: none that could run past its context or its
+    def room(self, req: Request) -> int:
+        """The most drafts ``req`` can take: none that could run past its context or its
         ``max_tokens`` (a round commits the drafts kept and one more)."""
         k = min(self.draft_tokens, req.max_total_tokens - req.num_tokens - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - len(req.output_ids) - 1)
         return k
+
+    def limit(self, req: Request) -> int:
+        """How many drafts ``req`` takes now: ``room``, and no more than its recent rounds kept
+        (``adapt``), so a text the drafts miss costs rows of two positions, not of
+        ``draft_tokens + 1``."""
+        k = self.room(req)
+        return k if req.spec_len is None else min(k, req.spec_len)
+
+    def adapt(self, req: Request, drafted: int, kept: int) -> None:
+        """After a round of ``drafted`` drafts of which ``kept`` held: two more next time where
+        all held (up to ``draft_tokens``), one fewer (at least one) where one missed."""
+        n = self.draft_tokens if req.spec_len is None else req.spec_len
+        req.spec_len = min(self.draft_tokens, n + 2) if kept == drafted else max(1, n - 1)
 
     def eligible(self, req: Request) -> bool:
         """Whether ``req`` may take a draft now."""

@@ -23,7 +23,9 @@ class AnswerDrafter(Drafter):
     def propose(self, req: Request) -> list[int]:
         if not self.eligible(req):
             return []
-        k, n = self.limit(req), len(req.output_ids)
+        # spoiled rounds take full drafts (``room``): adapting to their misses would leave the
+        # longer accepted lengths untried
+        k, n = (self.room(req) if self.spoil else self.limit(req)), len(req.output_ids)
         draft = list(self.answers[req.request_id][n : n + k])
         if self.spoil and draft:
             r = self.rounds.get(req.request_id, 0)
