@@ -39,7 +39,7 @@ class LaunchSettings:
     # positions / lengths / KV write rows advanced inside it (``cuda_graphs.py``)
     greedy_in_graph: bool = True
     advance_in_graph: bool = True
-    # verify steps of full drafts (speculative decoding) replayed from CUDA graphs too
+    # steps of decode and verify rows (speculative decoding) replayed from CUDA graphs too
     # (``cuda_graph_verify.py``; else they run eagerly)
     verify_in_graph: bool = True
     # the Triton GEMV for few-row projections (``layers/fused_linear.py``): up to this many rows;
