@@ -1,16 +1,19 @@
 """Verify steps of speculative decoding captured in CUDA graphs, one graph per batch-size bucket.
 
-A step in which every request verifies a full draft (``width - 1`` tokens after its last one) is
-``width`` decode rows per request (``step.build_step``): the same shape each time for a given
-number of requests, so it is captured as decode steps are (``cuda_graphs.py``). All inputs live
+A step in which every request verifies a draft (at most ``width - 1`` tokens after its last one) or
+decodes its next token is run as ``width`` decode rows per request (``step.build_step`` lays out
+a verify row the same way), the rows past a request's own positions only filling its width: the
+same shape each time for a given number of requests, so it is captured as decode steps are
+(``cuda_graphs.py``). All inputs live
 in one static device buffer: per row its token id, position, KV write row and state slot (int64)
 and its context length (int32); per request its state slot and row bounds (int64, for the Gated
 DeltaNet verify kernel, ``layers/gdn_verify.py``) and its block table (int32), which the graph
 widens to a table per row. A step writes the real requests in, pads the rest of the bucket with
 the reserved padding page and slot, sends it in one copy and replays; the graph ends with the
-logits of every row, which the sampler draws from as from an eager verify step's. The states
-after each position land in the runner's verify buffers (shared with the eager verify steps), and
-``VerifyRows.commit`` takes them from there as after an eager step.
+logits of every row, of which the sampler draws from the requests' own as from an eager verify
+step's. The states after each position land in the runner's verify buffers (shared with the
+eager verify steps), and ``VerifyRows.commit`` takes them from there as after an eager step (at
+once, for a request without a draft: its one position is kept).
 """
 from __future__ import annotations
 
@@ -81,20 +84,28 @@ class _Stage:
         self.tables[start:stop] = page
         self.keys[start:stop] = [None] * (stop - start)
 
-    def fill(self, reqs: list[Request], page_size: int) -> None:
-        w, n = self.layout.width, len(reqs)
+    def fill(self, plan: list[tuple[Request, int]], page_size: int) -> None:
+        """Each ``(request, n)`` in its ``width`` rows: its ``n`` positions from its last token,
+        then rows that only fill the width (on the padding page, context length 1)."""
+        w, n = self.layout.width, len(plan)
         if n < self.used:
             self._pad(n, self.used)
-        ids, pos, writes, row_slots, slots = [], [], [], [], []
-        for i, req in enumerate(reqs):
+        pad_write = self.pad[1]
+        ids, pos, writes, row_slots, lens, slots = [], [], [], [], [], []
+        for i, (req, k) in enumerate(plan):
             cache, start = req.cache, req.num_computed
             slot = cache.slot if cache.slot is not None else self.pad[2]
             slots.append(slot)
-            for p in range(start, start + w):
+            for p in range(start, start + k):
                 ids.append(req.token_at(p) if p < req.num_tokens else req.draft[p - req.num_tokens])
                 pos.append(p)
                 writes.append(pool_row(cache.pages, p, page_size))
-                row_slots.append(slot)
+                lens.append(p + 1)
+            ids += [0] * (w - k)
+            pos += [start] * (w - k)
+            writes += [pad_write] * (w - k)
+            lens += [1] * (w - k)
+            row_slots += [slot] * w
             key = self.keys[i]
             if key is None or key[0] is not cache or key[1] != len(cache.pages):
                 row = cache.pages + [self.pad[0]] * (self.layout.max_pages - len(cache.pages))
@@ -102,7 +113,7 @@ class _Stage:
                 self.keys[i] = (cache, len(cache.pages))
         self.wide[:, : n * w] = torch.tensor([ids, pos, writes, row_slots], dtype=torch.long)
         self.slots[:n] = torch.tensor(slots, dtype=torch.long)
-        self.lens[: n * w] = torch.tensor(pos, dtype=torch.int32) + 1
+        self.lens[: n * w] = torch.tensor(lens, dtype=torch.int32)
         self.used = n
 
 
@@ -167,30 +178,36 @@ class CudaGraphVerifier:
         return next((b for b in self.buckets if b >= n), None)
 
     def fits(self, plan: list[tuple[Request, int]]) -> bool:
-        """Whether a captured graph runs this step: every row verifies a full draft (``width``
-        rows from its last token), none has images, each one's pages fit the tables."""
-        w = self.width
+        """Whether a captured graph runs this step: every row starts at its request's last token
+        and runs at most ``width`` positions (a draft of ``n - 1`` tokens, or none), none has
+        images, each one's pages fit the tables."""
         return bool(plan) and self.bucket(len(plan)) is not None and all(
-            n == w and r.num_computed == r.num_tokens - 1 and len(r.draft) >= w - 1 and r.media is None
-            and r.pooled is None and r.cache is not None and r.num_computed + w <= r.cache.capacity
+            1 <= n <= self.width and r.decode_ready and len(r.draft) >= n - 1 and r.media is None
+            and r.pooled is None and r.num_computed + n <= r.cache.capacity
             and len(r.cache.pages) <= self.max_pages for r, n in plan)
 
-    def run(self, reqs: list[Request]) -> tuple[torch.Tensor, VerifyRows | None]:
-        """Logits ``[len(reqs) * width, vocab]`` of every row of the requests' verify rows (caches
-        not advanced), and the step's ``VerifyRows`` for the commit (None without recurrent layers)."""
-        n, w = len(reqs), self.width
+    def run(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, VerifyRows | None]:
+        """Logits of every position the rows of ``plan`` run (``sum(n)`` rows, the requests in
+        order; caches not advanced), and the step's ``VerifyRows`` (None without recurrent
+        layers): request ``i``'s states after its position ``j`` are at buffer row ``i * width + j``."""
+        n, w = len(plan), self.width
         b = self.bucket(n)
         self._turn ^= 1
         stage = self._stages[self._turn]
-        stage.fill(reqs, self.caches.page_size)
+        stage.fill(plan, self.caches.page_size)
         end = self.layout.end(b)
         self.inputs[:end].copy_(stage.bytes[:end], non_blocking=True)
         graph, logits = self.graphs[b]
         graph.replay()
         self.replays += 1
+        if all(k == w for _, k in plan):
+            logits = logits[: n * w]
+        else:  # the rows that only fill a request's width are not sampled
+            rows = [i * w + j for i, (_, k) in enumerate(plan) for j in range(k)]
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
         verify = None
         if self.buffers is not None:
             verify = VerifyRows(first=0, slots=self.slots[:n], cu_seqlens=self.cu[: n + 1], positions=n * w,
-                                requests={id(r): (i * w, w) for i, r in enumerate(reqs)},
+                                requests={id(r): (i * w, k) for i, (r, k) in enumerate(plan)},
                                 conv=self.buffers[0], recurrent=self.buffers[1])
-        return logits[: n * w], verify
+        return logits, verify

@@ -39,7 +39,7 @@ class LaunchSettings:
     # positions / lengths / KV write rows advanced inside it (``cuda_graphs.py``)
     greedy_in_graph: bool = True
     advance_in_graph: bool = True
-    # verify steps of full drafts (speculative decoding) replayed from CUDA graphs too
+    # steps of decode and verify rows (speculative decoding) replayed from CUDA graphs too
     # (``cuda_graph_verify.py``; else they run eagerly)
     verify_in_graph: bool = True
     # the Triton GEMV for few-row projections (``layers/fused_linear.py``): up to this many rows;
@@ -78,6 +78,10 @@ class LaunchSettings:
                                                                     "ALL_SLOTS": True})
     moe_down_tiles: dict = field(default_factory=lambda: {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8,
                                                           "ALL_SLOTS": False})
+    # the Gated DeltaNet verify kernel (``layers/gdn_verify_triton.py``): value columns per
+    # program and warps (at a 128 x 128 head for sm_90: 189 registers a thread at 32 x 4 warps,
+    # 125 at 16 x 4, 118 at 32 x 8; 128 columns spill)
+    gdn_verify_tiles: dict = field(default_factory=lambda: {"BLOCK_V": 32, "num_warps": 4})
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

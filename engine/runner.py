@@ -112,7 +112,7 @@ class ModelRunner:
         self.vocab = vocab
         self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
-        self.verify_graphs = None  # CudaGraphVerifier (verify steps of full drafts), when captured
+        self.verify_graphs = None  # CudaGraphVerifier (steps of decode and verify rows), when captured
         # the Gated DeltaNet states after each verified position (``VerifyRows``): one pair of
         # buffers for every verify step, eager or captured, grown as a step needs
         self._verify_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -128,7 +128,7 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int, verify_width: int = 0) -> None:
         """Capture decode steps, and with ``verify_width`` > 1 (and the launch setting
-        ``verify_in_graph``) verify steps of that many rows per request."""
+        ``verify_in_graph``) steps of decode and verify rows of up to that many positions each."""
         from .cuda_graphs import CudaGraphDecoder
 
         self.graphs = CudaGraphDecoder(self.model, self.caches, max_batch, max_context, self.device, self.vocab)
@@ -190,12 +190,14 @@ class ModelRunner:
         return self._launched(plan, reqs, logits, decode=True, greedy=greedy, defer=defer)
 
     def _launch_verify(self, plan, reqs: list[Request]) -> Launched:
-        """A step of full verify rows only, replayed from a captured graph (``cuda_graph_verify.py``)."""
-        logits, verify = self.verify_graphs.run(reqs)
-        width = self.verify_graphs.width
-        for r in reqs:
-            r.num_computed += width
-        launched = self._launched(plan, reqs, logits, decode=False, widths=[width] * len(reqs))
+        """A step of decode and verify rows only, replayed from a captured graph
+        (``cuda_graph_verify.py``); the states of a row without a draft go into its slot at once."""
+        logits, verify = self.verify_graphs.run(plan)
+        for r, n in plan:
+            r.num_computed += n
+            if n == 1 and verify is not None:
+                verify.commit(self.caches.states, r, r.cache.slot, 0)
+        launched = self._launched(plan, reqs, logits, decode=False, widths=[n for _, n in plan])
         launched.verify = verify
         return launched
 

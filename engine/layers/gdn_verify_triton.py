@@ -2,8 +2,9 @@
 positions in one launch, the slots left as they are.
 
 A request verifying a draft brings ``T`` consecutive rows (its last token, then the drafts) over
-one state slot. One program per (request, value head, block of ``BLOCK_V`` value columns) holds its
-columns of the head's state in registers and walks the request's rows in order; at each position
+one state slot. One program per (request, value head, block of value columns; the launch setting
+``gdn_verify_tiles``, 32 columns and 4 warps by default) holds its columns of the head's state in
+registers and walks the request's rows in order; at each position
 it computes what the fused decode step (``gdn_decode_triton``) computes for one token:
 
 - the depthwise causal conv and SiLU over the window of the slot's conv-state rows followed by
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch
 from .gdn_decode_triton import BLOCK_V
 from .gdn_verify import check_verify_args
 from .pdl import pdl_options, pdl_wait
@@ -137,13 +139,15 @@ def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_
     (int64 on the device) over state slot ``slot_ids[i]`` of ``conv_pool`` ``[slots, W-1, C]`` and
     ``state_pool`` ``[slots, HV, K, V]`` (fp32, bf16 or fp16), which are only read. The states
     after row ``r`` go to ``conv_out[r]`` and ``state_out[r]`` (the pools' shapes and dtypes past
-    the first dim). Returns the output before the norm ``[R, HV, V]`` in ``qkv``'s dtype."""
+    the first dim). Returns the output before the norm ``[R, HV, V]`` in ``qkv``'s dtype.
+    ``block_v``: value columns per program (else the launch setting ``gdn_verify_tiles``)."""
     check_verify_args(qkv, conv_pool, conv_weight, state_pool, slot_ids, cu_seqlens, conv_out, state_out,
                       num_k_heads)
     rows, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
-    block_v = min(block_v or BLOCK_V, dv)
+    tiles = launch.current().gdn_verify_tiles
+    block_v = min(block_v or tiles.get("BLOCK_V", BLOCK_V), dv)
     out = torch.empty((rows, hv, dv), dtype=qkv.dtype, device=qkv.device)
     requests = slot_ids.shape[0]
     if rows and requests:
@@ -151,5 +155,5 @@ def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_
             qkv, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
             slot_ids, cu_seqlens, conv_out, state_out, out, _rows(qkv, "qkv"), _rows(a, "a"), _rows(b, "b"),
             c, dk**-0.5, H=num_k_heads, HV=hv, K=dk, V=dv, BV=block_v, W=width,
-            W_PAD=triton.next_power_of_2(width), num_warps=4, **pdl_options(qkv))
+            W_PAD=triton.next_power_of_2(width), num_warps=tiles.get("num_warps", 4), **pdl_options(qkv))
     return out

@@ -7,7 +7,7 @@ import torch
 
 from ninfer.engine.loader import load_checkpoint, load_model
 from support.overlap import drive
-from support.spec_drafts import AnswerDrafter, use_drafter
+from support.spec_drafts import AnswerDrafter, CutDrafter, use_drafter
 from support.tiny import save_tiny_llama, save_tiny_qwen3_5
 
 pytestmark = pytest.mark.gpu
@@ -15,8 +15,10 @@ BUILDERS = {"llama": save_tiny_llama, "qwen3_5": save_tiny_qwen3_5,
             "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True)}
 
 
+@pytest.mark.parametrize("drafter", [AnswerDrafter, CutDrafter], ids=["full", "cut"])  # cut: rows of any width
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_graph_replayed_verify_steps_give_the_eager_tokens(name, tmp_path_factory, monkeypatch, set_launch):
+def test_graph_replayed_verify_steps_give_the_eager_tokens(name, drafter, tmp_path_factory, monkeypatch,
+                                                          set_launch):
     from ninfer.engine import cuda_graph_verify
 
     ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
@@ -28,13 +30,14 @@ def test_graph_replayed_verify_steps_give_the_eager_tokens(name, tmp_path_factor
     replays = []
     run = cuda_graph_verify.CudaGraphVerifier.run
     monkeypatch.setattr(cuda_graph_verify.CudaGraphVerifier, "run",
-                        lambda self, reqs: replays.append(len(reqs)) or run(self, reqs))
+                        lambda self, plan: replays.append(len(plan)) or run(self, plan))
 
     def spec(in_graph: bool):
         set_launch(verify_in_graph=in_graph)
         engines = []
         seen, _ = drive(parts, False, specs, arrivals=dict(arrivals), device="cuda", spec="ngram", draft_tokens=3,
-                        engine_out=engines, prepare=lambda e: use_drafter(e, AnswerDrafter(answers, 3, spoil=True)))
+                        engine_out=engines,
+                        prepare=lambda e: use_drafter(e, drafter(answers, 3, spoil=drafter is AnswerDrafter)))
         assert (engines[0].runner.verify_graphs is not None) == in_graph
         assert engines[0].counters.spec_accepted_tokens > 0  # the answers' drafts: most are taken
         return seen
@@ -42,7 +45,8 @@ def test_graph_replayed_verify_steps_give_the_eager_tokens(name, tmp_path_factor
     eager = spec(False)
     assert not replays
     graphed = spec(True)
-    # the same kernels on the same rows: the same tokens (those without drafts may differ from
-    # them where a projection of more rows takes another kernel, so they are not compared)
+    # each request's rows as the eager step runs them (the graph's padded to the full width, and
+    # padding requests): the same tokens; those without drafts are not compared, as a projection
+    # of more rows may take another kernel there
     assert graphed == eager
     assert {1, 2, 3} <= set(replays)

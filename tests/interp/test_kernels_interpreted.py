@@ -135,6 +135,11 @@ def test_gdn_verify(v_heads, block_v, widths):
                      block_v=block_v)
 
 
+def test_gdn_verify_tiles_from_the_launch_settings(set_launch):
+    set_launch(gdn_verify_tiles={"BLOCK_V": 4, "num_warps": 2})  # four programs per head
+    check_gdn_verify("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16, widths=(3, 2))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gdn_verify_with_a_half_precision_state(state_dtype):
     """Each position continues from its state rounded as the pool holds it, as a decode step would."""

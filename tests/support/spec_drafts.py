@@ -36,6 +36,17 @@ class AnswerDrafter(Drafter):
         return draft
 
 
+class CutDrafter(AnswerDrafter):
+    """The answers' drafts cut to a length that moves from round to round (none at all too), so
+    rows of every width up to the full one, and rows without a draft, share the steps."""
+
+    def propose(self, req: Request) -> list[int]:
+        draft = super().propose(req)
+        r = self.rounds.get(req.request_id, 0)
+        self.rounds[req.request_id] = r + 1
+        return draft[: (r + len(req.request_id)) % (self.draft_tokens + 1)]
+
+
 def use_drafter(engine: LLMEngine, drafter: Drafter) -> None:
     """Make ``engine`` (built with a ``spec`` setting) draft with ``drafter``."""
     engine.drafter = engine.scheduler.drafter = drafter
