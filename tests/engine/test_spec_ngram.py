@@ -13,9 +13,10 @@ from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.loader import load_checkpoint
 from ninfer.engine.request import Request
 from ninfer.engine.sampling_params import SamplingParams, ThinkingControl
-from ninfer.engine.spec import NgramIndex, accepted
+from ninfer.engine.spec import Drafter, NgramIndex, accepted
 from support.decode_paths import load_parts
 from support.overlap import CLOSE, check_scenario, drive, scenario
+from support.spec_drafts import use_drafter
 from support.tiny import save_tiny_qwen3_5
 
 
@@ -257,3 +258,32 @@ def test_a_conversation_goes_on_from_the_answer_checkpoint_of_a_speculated_turn(
 
     plain, fast = turns("off"), turns("ngram")
     assert fast[:3] == plain[:3] and fast[2] > len(prompt(parts[1], 3)) and fast[3] > 0
+
+
+class MissingDrafter(Drafter):
+    """Drafts of as many tokens as a request takes now, never the model's (a token no greedy run
+    of these requests gives), noting each draft's length."""
+
+    def __init__(self, draft_tokens: int) -> None:
+        super().__init__(draft_tokens, 1, 1)
+        self.lengths: list[int] = []
+
+    def propose(self, req: Request) -> list[int]:
+        draft = [1] * self.limit(req) if self.eligible(req) else []
+        self.lengths += [len(draft)] if draft else []
+        return draft
+
+
+def test_the_draft_length_shrinks_where_drafts_miss_and_grows_where_they_hold(parts):
+    """A request whose drafts all miss is verified in rows of two after three rounds (4, 3, 2,
+    then 1 draft), its tokens those of one-token steps; drafts that all hold stay full."""
+    specs = {2: {"max_tokens": 24}}
+    plain, _ = drive(parts, False, specs)
+    drafter = MissingDrafter(4)
+    fast, _ = drive(parts, False, specs, spec="ngram", draft_tokens=4, prepare=lambda e: use_drafter(e, drafter))
+    assert fast == plain and 1 not in [t for r in plain.values() for t in r]  # every draft missed
+    assert drafter.lengths[:5] == [4, 3, 2, 1, 1] and set(drafter.lengths[3:]) == {1}
+    req = Request("x", [5, 6], SamplingParams(max_tokens=50), max_total_tokens=160)
+    for kept_all in (False, True, True):  # a miss, then full rounds: back up by two, within the setting
+        drafter.adapt(req, drafter.limit(req), drafter.limit(req) if kept_all else 0)
+    assert req.spec_len == 4
