@@ -20,10 +20,10 @@ CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching alloc
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB
 SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per query chunk
-# The pure-torch attention (the CPU path and, until a paged GPU kernel lands beside it, the GPU
-# path too) gathers one sequence's K/V and expands it to fp32 per query head. A paged kernel reads
-# the pages in place: set this to False then.
-REFERENCE_ATTENTION = True
+# prefix checkpoints kept on the device by default: their state slots (hybrid models), as the
+# engine sizes them (``engine/memory.prefix_checkpoints``): four per lane, at least 16, halved
+# while their slots would take more than a quarter of the free memory
+CHECKPOINTS_PER_LANE, MIN_CHECKPOINTS, CHECKPOINT_SHARE = 4, 16, 0.25
 
 
 def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
@@ -74,6 +74,7 @@ class Settings:
     kv_elt: float | None = None  # bytes of a KV element: 1 for --kv-dtype fp8 / int8, 0.5 for 4bit (None: elt)
     state_elt: int = 4  # bytes of a GDN recurrent state element: 2 for --state-dtype bf16 / fp16
     vision: bool = False  # --vision: the vision tower and its largest image's activations
+    checkpoints: int = 0  # prefix checkpoints kept on the device (--prefix-checkpoints): a state slot each
 
     @property
     def kv_tokens(self) -> int:
@@ -89,7 +90,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
     inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
     workspace = s.prefill_chunk * (8 * c.hidden_size + 3 * inter) * s.elt  # engine/memory.py
     workspace += s.lanes * (s.drafts + 1) * c.vocab_size * 4  # fp32 logits of every decode row
-    if REFERENCE_ATTENTION and shape.n_attention:
+    if not s.cuda and shape.n_attention:  # the CPU's attention gathers a sequence's K/V, expanded to fp32 per head
         gathered = 2 * c.num_key_value_heads * c.head_dim * s.elt
         expanded = 2 * c.num_attention_heads * c.head_dim * 4
         workspace += s.context * (gathered + expanded) + SCORE_BLOCK
@@ -100,12 +101,28 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt, shape.mtp_layers) if mtp else 0,
         # one state per lane, plus one per draft position so that a rejected draft needs no replay
         "states": s.lanes * (1 + s.drafts) * state_bytes_per_lane(shape, s.elt, s.state_elt),
+        # a state slot per prefix checkpoint on the device, and (CUDA) a few for their copies to
+        # host memory in flight (``engine/memory.moving_slots``)
+        "checkpoints": (s.checkpoints + (min(4, max(1, s.checkpoints // 4)) if s.cuda and s.checkpoints else 0))
+        * state_bytes_per_lane(shape, s.elt, s.state_elt),
         "workspace": workspace,
         "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE if s.cuda else 0,
         "cuda_context": CUDA_CONTEXT if s.cuda else 0,
         "vision": (shape.vision_params + shape.vision_activations) * s.elt if s.vision else 0,
     }
     return parts
+
+
+def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:
+    """The device prefix checkpoints the engine keeps by default for ``s``'s lanes with ``free``
+    bytes free (0 where a checkpoint holds no state slot: attention-only models share pages)."""
+    slot = state_bytes_per_lane(shape, s.elt, s.state_elt)
+    if not slot:
+        return 0
+    n = max(MIN_CHECKPOINTS, CHECKPOINTS_PER_LANE * s.lanes)
+    while n > MIN_CHECKPOINTS and n * slot > CHECKPOINT_SHARE * free:
+        n //= 2
+    return n
 
 
 def margin_bytes(total: int, cuda: bool) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .footprint import GiB, MiB, Settings, footprint, human, margin_bytes, weight_bytes
+from .footprint import GiB, MiB, Settings, default_checkpoints, footprint, human, margin_bytes, weight_bytes
 from .model_info import ModelShape
 
 CONTEXT_LADDER = (262144, 196608, 131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096)
@@ -18,6 +18,13 @@ AUTO_LANES = (8, 4, 2, 1)
 AUTO_LANES_CONTEXT = 32768  # auto lanes: the most lanes that still give each request this much
 PREFILL_LADDER = (4096, 2048, 1024, 512)
 CPU_LANES, CPU_CONTEXT, CPU_PREFILL = 4, 8192, 512
+
+
+# what the KV cache and the GDN state are held in, in the order tried where the context the model
+# allows does not fit (KV element bytes, None: the compute dtype; state element bytes): fp8 KV
+# costs under 0.5% perplexity, a bf16 state rounds once a step, 4-bit KV under 3%
+KV_CHOICES = ((None, 4), (1, 4), (1, 2), (0.5, 4), (0.5, 2))
+KV_FLAGS = {1: "fp8", 0.5: "4bit"}
 
 
 class DoesNotFit(ValueError):
@@ -75,13 +82,18 @@ class Plan:
         s = self.settings
         return (["--device", self.device.flag, "--max-context", str(s.context), "--max-concurrency", str(s.lanes),
                  "--prefill-chunk", str(s.prefill_chunk), "--kv-capacity", str(s.kv_tokens)]
-                + (["--weights", self.quantize] if self.quantize else []))
+                + (["--weights", self.quantize] if self.quantize else [])
+                + (["--kv-dtype", KV_FLAGS[s.kv_elt]] if s.kv_elt in KV_FLAGS else [])
+                + (["--state-dtype", "bf16"] if s.state_elt == 2 else [])
+                + (["--prefix-checkpoints", str(s.checkpoints)] if s.checkpoints else []))
 
     def describe(self) -> str:
         s = self.settings
         lines = [f"{self.model} on {self.device.name} ({human(self.device.free)} free of {human(self.device.total)})",
                  f"  {s.lanes} lane(s) x {s.context:,} tokens, KV pool {s.kv_tokens:,} tokens, "
-                 f"prefill chunk {s.prefill_chunk}, drafts {s.drafts}, weights {s.weights}  [{self.source}]"]
+                 f"prefill chunk {s.prefill_chunk}, drafts {s.drafts}, weights {s.weights}, "
+                 f"KV {KV_FLAGS.get(s.kv_elt, 'bf16' if s.elt == 2 else 'fp32')}, "
+                 f"state {'bf16' if s.state_elt == 2 else 'fp32'}, checkpoints {s.checkpoints}  [{self.source}]"]
         lines += [f"  {k:13s} {human(v)}" for k, v in self.parts.items() if v]
         lines.append(f"  {'total':13s} {human(self.total)} + margin {human(self.margin)}")
         lines += [f"  - {r}" for r in self.reasons]
@@ -175,26 +187,49 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
     for lanes in lane_choices:
         drafts_wanted = want.drafts if want.drafts is not None else _auto_drafts(shape, device, lanes)
         drafts_wanted = drafts_wanted if shape.mtp_layers else 0
-        best: tuple[int, int] | None = None  # (context, drafts): the most context, then the most drafts
-        for drafts in range(drafts_wanted, -1, -1):
-            s = replace(base, lanes=lanes, prefill_chunk=chunk, drafts=drafts)
-            ctx = _best_context(shape, device, s, cap)
-            if ctx is not None and (best is None or ctx > best[0]):
-                best = (ctx, drafts)
-            if ctx == cap or want.drafts is not None:
-                break
+        # lanes the plan adds on its own hold the KV cache and state as they are: smaller formats
+        # buy the context of the lanes there are, never more lanes
+        best = _best_for_lanes(shape, device, replace(base, lanes=lanes, prefill_chunk=chunk), cap, drafts_wanted,
+                               want.drafts is not None, formats=want.lanes is not None or lanes == 1)
         if best is None:
             continue
-        ctx, drafts = best
-        if want.context and ctx < want.context:
+        s = best
+        if want.context and s.context < want.context:
             continue
-        if want.lanes is None and device.cuda and lanes > 1 and ctx < min(cap, AUTO_LANES_CONTEXT):
+        if want.lanes is None and device.cuda and lanes > 1 and s.context < min(cap, AUTO_LANES_CONTEXT):
             continue
-        if drafts < drafts_wanted:
-            reasons.append(f"drafts lowered from {drafts_wanted} to {drafts} to keep the context")
-        return _finish(shape, device, replace(base, lanes=lanes, context=ctx, prefill_chunk=chunk, drafts=drafts),
-                       "plan", reasons)
+        if s.drafts < drafts_wanted:
+            reasons.append(f"drafts lowered from {drafts_wanted} to {s.drafts} to keep the context")
+        if s.kv_elt in KV_FLAGS or s.state_elt == 2:
+            reasons.append(f"KV {KV_FLAGS.get(s.kv_elt, 'bf16')}, state {'bf16' if s.state_elt == 2 else 'fp32'}: "
+                           f"the context {'the model allows' if s.context == cap else 'that fits'} needs it")
+        return _finish(shape, device, s, "plan", reasons)
     raise DoesNotFit(_what_fits(shape, device, want, weights, chunk))
+
+
+def _best_for_lanes(shape: ModelShape, device: Device, base: Settings, cap: int, drafts_wanted: int,
+                    drafts_fixed: bool, formats: bool = True) -> Settings | None:
+    """The settings with the most context for ``base``'s lanes: for each way of holding the KV
+    cache and the GDN state (``KV_CHOICES`` on a GPU, in order; the first that reaches ``cap``
+    wins; ``formats`` False: the first only), the most drafts that keep the most context, and the
+    device prefix checkpoints the engine would keep (``default_checkpoints``), passed to it so that
+    the two agree."""
+    best: Settings | None = None
+    room = device.free - weight_bytes(shape.params, base.weights, base.elt)
+    for kv_elt, state_elt in KV_CHOICES if device.cuda and formats else ((None, 4),):
+        if state_elt != 4 and not shape.n_gdn:
+            continue
+        held = replace(base, kv_elt=kv_elt, state_elt=state_elt)
+        held = replace(held, checkpoints=default_checkpoints(shape, held, room))
+        for drafts in range(drafts_wanted, -1, -1):
+            ctx = _best_context(shape, device, replace(held, drafts=drafts), cap)
+            if ctx is not None and (best is None or ctx > best.context):
+                best = replace(held, drafts=drafts, context=ctx)
+            if ctx == cap or drafts_fixed:
+                break
+        if best is not None and best.context == cap:
+            break
+    return best
 
 
 def _finish(shape: ModelShape, device: Device, s: Settings, source: str, reasons: list[str]) -> Plan:

@@ -198,3 +198,29 @@ def test_vision_tower_counted_and_planned_with_vision():
     assert without.parts["vision"] == 0
     assert with_vision.parts["vision"] == (shape.vision_params + shape.vision_activations) * 2
     assert "vision" in with_vision.describe()
+
+
+def test_a_16_gb_card_holds_the_9b_at_its_whole_context_with_a_smaller_kv_cache():
+    """One request of the 9B on an RTX 5060 Ti: the KV cache in 4 bits (8-bit weights) or fp8
+    (4-bit weights) is what lets the model's 262,144 tokens fit; the server is told so, and the
+    device prefix checkpoints the plan counted."""
+    from ninfer.server.cli import build_parser
+
+    shape = SHAPES["Qwen3.5-9B"]
+    for weights, kv in ((None, "4bit"), ("4bit", "fp8")):
+        plan = make_plan(shape, gpu(16), Want(lanes=1, weights=weights))
+        s = plan.settings
+        assert s.context == 262144 and plan.total + plan.margin <= gpu(16).free, plan.describe()
+        args = build_parser().parse_args(plan.server_args())
+        assert args.kv_dtype == kv and args.prefix_checkpoints == s.checkpoints == 16
+        moving = min(4, max(1, s.checkpoints // 4))  # their copies to host in flight
+        assert plan.parts["checkpoints"] == (s.checkpoints + moving) * state_bytes_per_lane(shape, 2, s.state_elt)
+    # where the context fits as it is, nothing is made smaller
+    plan = make_plan(shape, gpu(80), Want(lanes=1))
+    assert plan.settings.context == 262144 and (plan.settings.kv_elt, plan.settings.state_elt) == (None, 4)
+    assert "--kv-dtype" not in plan.server_args() and "--state-dtype" not in plan.server_args()
+
+
+def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():
+    plan = make_plan(SHAPES["Qwen3.5-9B"], gpu(16))
+    assert plan.settings.lanes > 1 and plan.settings.kv_elt is None and plan.settings.state_elt == 4
