@@ -3,7 +3,8 @@ prompt's prefill, at a multimodal checkpoint's shape, with HF transformers as th
 
     python -m bench.vision --shape qwen3.5-27b [--megapixels 1,4] [--text 64] [--reps 3]
                            [--prefill-chunk N] [--no-hf] [--json FILE]
-    python -m bench.vision --shape tiny    (a two-block tower over a four-layer model: 0.25 and 1 MP on the CPU)
+    python -m bench.vision --shape tiny    (a two-block tower over a four-layer model, 0.25 and 1 MP:
+                                            the CPU's smoke run)
 
 Random weights at the real shape (``shapes.vision_shape``: the language model as bench.decode
 builds it, with the checkpoint's M-RoPE, and the 27-block tower), bf16 made on the GPU (fp32 on
@@ -14,14 +15,17 @@ written as PNG, taken as the server takes one: decoded and processed
 the image's tokens (``expand_images``) in a prompt of ``--text`` random tokens around it, and
 the request served by ``LLMEngine`` to its first token (the runner encodes the image with the
 prompt's first chunk, then prefills it; the whole prompt in one step unless ``--prefill-chunk``).
-Timed: the processing (host, median of ``--reps``), the tower's encode alone (synchronised,
-median of ``--reps`` after one warm-up), the request to its first token (after one warm-up
-request; no prefix cache) and the prompt's tok/s with and without the encode in it. Then
-ninfer's model is freed and the peer built: transformers' ``Qwen3_5ForConditionalGeneration`` at
+Timed: the processing (host, median of ``--reps``), the tower's encode alone as the runner calls
+it (the patches copied to the GPU in it; synchronised, median of ``--reps`` after one warm-up),
+the request to its first token (after one warm-up request; no prefix cache), and the same request
+with the image's embeddings given (the runner then encodes nothing: the prefill alone); the
+prompt's tok/s of each. Then ninfer's model is freed and the peer built: transformers'
+``Qwen3_5ForConditionalGeneration`` at
 the same shape with random weights of its own (not a copy of ours: the times do not depend on
-the values); its ``Qwen2VLImageProcessorPil`` on the same PNG, ``get_image_features`` (the tower)
-and one forward over the same prompt (encode included, ``logits_to_keep=1``). It prints a table
-with both and their ratio and writes JSON.
+the values); its ``Qwen2VLImageProcessorPil`` on the same PNG, ``get_image_features`` (the tower,
+the patches already on the GPU), one forward over the same prompt (encode included,
+``logits_to_keep=1``) and one with the image's rows already in its input embeddings (the same
+M-RoPE positions). It prints a table with both and their ratio and writes JSON.
 """
 from __future__ import annotations
 
@@ -119,7 +123,7 @@ def build_ours(cfg: ModelConfig, device: str, dtype: torch.dtype):
     return model
 
 
-def bench_ours(shape: str, megapixels: list[float], text: int, reps: int, device: str = "cuda",
+def bench_ours(shape: str | dict, megapixels: list[float], text: int, reps: int, device: str = "cuda",
                prefill_chunk: int | None = None) -> dict:
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
@@ -128,7 +132,7 @@ def bench_ours(shape: str, megapixels: list[float], text: int, reps: int, device
     from ninfer.engine.vision.media import expand_images
     from ninfer.engine.vision.processor import ImageProcessor
 
-    raw = vision_shape(shape)
+    raw = vision_shape(shape) if isinstance(shape, str) else shape  # a name of VISION or a config dict
     cfg = ModelConfig.from_hf_dict(raw)
     proc = ImageProcessor.from_config(PREPROCESSOR, cfg.vision)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -204,16 +208,17 @@ def _hf_processor():
         image_std=PREPROCESSOR["image_std"])
 
 
-def bench_hf(shape: str, megapixels: list[float], text: int, reps: int, device: str = "cuda") -> dict:
+def bench_hf(shape: str | dict, megapixels: list[float], text: int, reps: int, device: str = "cuda") -> dict:
     import transformers
     from PIL import Image
 
     from ninfer.engine.vision.media import expand_images
     from ninfer.engine.vision.processor import ImageProcessor
 
-    raw = vision_shape(shape)
+    raw = vision_shape(shape) if isinstance(shape, str) else shape  # a name of VISION or a config dict
     cfg = ModelConfig.from_hf_dict(raw)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    _empty_cache()  # what ninfer's run left
     model = _hf_model(raw, device, dtype)
     proc, ours = _hf_processor(), ImageProcessor.from_config(PREPROCESSOR, cfg.vision)
     ids = prompt_ids(cfg, text)
