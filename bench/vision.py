@@ -17,15 +17,15 @@ the request served by ``LLMEngine`` to its first token (the runner encodes the i
 prompt's first chunk, then prefills it; the whole prompt in one step unless ``--prefill-chunk``).
 Timed: the processing (host, median of ``--reps``), the tower's encode alone as the runner calls
 it (the patches copied to the GPU in it; synchronised, median of ``--reps`` after one warm-up),
-the request to its first token (after one warm-up request; no prefix cache), and the same request
-with the image's embeddings given (the runner then encodes nothing: the prefill alone); the
-prompt's tok/s of each. Then ninfer's model is freed and the peer built: transformers'
-``Qwen3_5ForConditionalGeneration`` at
-the same shape with random weights of its own (not a copy of ours: the times do not depend on
-the values); its ``Qwen2VLImageProcessorPil`` on the same PNG, ``get_image_features`` (the tower,
-the patches already on the GPU), one forward over the same prompt (encode included,
-``logits_to_keep=1``) and one with the image's rows already in its input embeddings (the same
-M-RoPE positions). It prints a table with both and their ratio and writes JSON.
+the request to its first token (after one warm-up request; no prefix cache), and the same
+request with the image's embeddings given (the runner then encodes nothing: the prefill alone);
+the prompt's tok/s of each. Then ninfer's model is freed and the peer built: transformers'
+``Qwen3_5ForConditionalGeneration`` at the same shape with random weights of its own (not a copy
+of ours: the times do not depend on the values); its ``Qwen2VLImageProcessorPil`` on the same
+PNG, ``get_image_features`` (the tower, the patches already on the GPU), one forward over the
+same prompt (encode included, ``logits_to_keep=1``) and one with the image's rows already in its
+input embeddings (the same M-RoPE positions). It prints a table with both and their ratio and
+writes JSON.
 """
 from __future__ import annotations
 
