@@ -8,9 +8,10 @@
 # bench.decode --set: the 35B-A3B router read after the PDL wait, its inputs sent by the host
 # rather than advanced in the graph, its greedy argmax taken after the graph rather than in it;
 # the 27B without its own attention choices) or "serve" (bench.serve through HTTP: the 9B shape
-# at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once), so
-# a machine that limits one command's time can take the run in several calls; "all" runs neither
-# tuning part nor "pdl" nor "ab" nor "serve".
+# at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once) or
+# "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
+# beside transformers'), so a machine that limits one command's time can take the run in several
+# calls; "all" runs neither tuning part nor "pdl" nor "ab" nor "serve" nor "vision".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
 # three benchmarks about 4; on a machine that limits one command to 10 minutes, run them apart.
@@ -18,8 +19,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | vision) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, vision)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -75,6 +76,9 @@ if [ "$parts" = ab ]; then
     run ab-27b "$py" -m bench.decode $dense --json "$out/ab-27b.json"
     run ab-27b-attention-defaults "$py" -m bench.decode $dense --json "$out/ab-27b-attention-defaults.json" \
         --set "attention_shape_tiles={}"
+fi
+if [ "$parts" = vision ]; then
+    run vision-27b "$py" -m bench.vision --shape qwen3.5-27b --megapixels 1,4 --json "$out/vision-27b.json"
 fi
 if [ "$parts" = serve ]; then
     load="--prompt-tokens 200 --output-tokens 256"

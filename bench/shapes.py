@@ -1,5 +1,7 @@
-"""Model shapes the benchmarks build (the launcher's table of known Qwen3.5 sizes), and random
-checkpoints at those shapes for the benchmarks that go through the server."""
+"""Model shapes the benchmarks build (the launcher's table of known Qwen3.5 sizes), the
+multimodal checkpoints' configs at those shapes (``vision_shape``: the language model, its
+M-RoPE and the vision tower), and random checkpoints at those shapes for the benchmarks that go
+through the server."""
 from __future__ import annotations
 
 import gc
@@ -16,6 +18,52 @@ SHAPES = {name.lower(): cfg for name, cfg in _KNOWN.items() if not name.startswi
 
 def shape_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(SHAPES[name.lower()])
+
+
+# The vision towers of the multimodal checkpoints (``vision_config``), by shape: the 27B's is
+# transformers' ``Qwen3_5VisionConfig`` (27 blocks of 1152, SigLIP-2 so400m) projecting to the
+# language model's 5120. "tiny" is a two-block tower over a four-layer model, for the CPU.
+VISION = {
+    "qwen3.5-27b": dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
+                        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=5120,
+                        num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
+    "tiny": dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,
+                 temporal_patch_size=2, in_channels=3, out_hidden_size=64, num_position_embeddings=16,
+                 hidden_act="gelu_pytorch_tanh"),
+}
+TINY_TEXT = {
+    "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "full_attention_interval": 4,
+}
+# the multimodal checkpoints' text rotation: interleaved M-RoPE over a quarter of each head
+# (time, row, column sections of frequency pairs); the tiny one over half of its 16
+MROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+         "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+TINY_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+              "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+# Qwen3.5's preprocessor_config.json: patches of 16, 2 x 2 merged, 64 Ki .. 16 Mi pixels
+PREPROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                "size": {"shortest_edge": 65536, "longest_edge": 16 << 20},
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+VISION_TOKENS = {
+    "qwen3.5-27b": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                        vision_end_token_id=248054),
+    "tiny": dict(image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4),
+}
+
+
+def vision_shape(name: str) -> dict:
+    """The config dict of the multimodal checkpoint at shape ``name`` (a key of ``VISION``), as
+    its ``config.json`` nests it: ``text_config`` (with its M-RoPE), ``vision_config`` and the
+    placeholder token ids."""
+    name = name.lower()
+    text = dict(TINY_TEXT if name == "tiny" else SHAPES[name])
+    text["rope_parameters"] = TINY_MROPE if name == "tiny" else MROPE
+    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+            "vision_config": dict(VISION[name]), "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+            **VISION_TOKENS[name]}
 
 
 def random_checkpoint(shape: str | dict, path: Path, vocab_size: int | None = None) -> Path:

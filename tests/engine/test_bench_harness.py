@@ -126,3 +126,29 @@ def test_prefill_beside_decoders_reads_the_prompt_rate_and_their_gaps_with_and_w
     assert b["gap_ratio"] == b["gap_p99_beside_ms"] / b["gap_p99_alone_ms"]
     shown = table({"tiny": {"ninfer": out}}, {"gpu": "cpu", "copy_gb_s": 10.0, "matmul_tflops": 1.0})
     assert "prefill 40 beside 3 decoding" in shown and f"({b['gap_ratio']:.1f}x)" in shown
+
+
+def test_vision_bench_on_cpu_times_ninfer_and_the_peer_and_the_table_shows_both(tmp_path, capsys):
+    """``bench.vision --shape tiny``: a 256 x 256 PNG (Qwen3.5's smallest pixel budget: 64
+    tokens) through the processing, the tower and a served request, encoded once in it and not
+    at all when its embeddings are given; the peer on the same grid; four rows, both sides."""
+    import json
+
+    from bench.vision import main
+
+    out = tmp_path / "vision.json"
+    assert main(["--shape", "tiny", "--megapixels", "0.0625", "--reps", "1", "--text", "8", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    ours, hf = res["ninfer"]["0.0625"], res["hf"]["0.0625"]
+    assert ours["pixels"] == "256x256" and ours["patches"] == 256 and ours["image_tokens"] == 64
+    assert ours["prompt_tokens"] == hf["prompt_tokens"] == 8 + 2 + 64  # the text, the vision start / end, the image
+    for side in (ours, hf):
+        assert all(side[k] > 0 for k in ("preprocess_ms", "encode_ms", "prefill_tok_s", "prefill_tok_s_embeds_given"))
+    final = capsys.readouterr().out.split("\n\n")[-1]
+    rows = [line for line in final.splitlines() if line.startswith("| tiny | 0.0625 MP (256x256, 64 tokens) |")]
+    assert [r.split(" | ")[2] for r in rows] == [
+        "preprocess (PNG decode + patches)", "encode (vision tower)", "prefill of 74 tokens, encode in it",
+        "prefill, the image's embeddings given"]
+    encode = f"{ours['encode_ms']:.1f} ms | {hf['encode_ms']:.1f} ms | {hf['encode_ms'] / ours['encode_ms']:.2f}x |"
+    assert encode in rows[1]
+    assert rows[2].endswith(f"| {ours['prefill_tok_s'] / hf['prefill_tok_s']:.2f}x |")
