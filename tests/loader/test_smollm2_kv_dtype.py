@@ -10,10 +10,9 @@ on the first 2048 tokens).
 with a scale per 32 of the head dim) within the issue's 3%: measured +1.9%. Per-row groups of the
 rotated keys (the first version, groups of 32) cost +11.7%; a key's outlier channels keep their
 size from token to token, which a range per channel over a page fits (``cache/kv_quant.py``,
-``bench/RESULTS.md``). The prompt chunks fill whole pages at a time; a decode step writes one row
-and requantizes its page, which the 1024-token decode run covers (a row rounded again where the
-page's range grows)."""
-"""
+``bench/RESULTS.md``). The prompt chunks here fill whole pages at a time; a decode step writes one
+row and requantizes its page (the earlier rows rounded again where the page's range grows),
+which ``bench/RESULTS.md`` measures apart, a token a step."""
 from __future__ import annotations
 
 import pytest
