@@ -55,6 +55,8 @@ def dense_perplexity(models, text_ids) -> float:
 
 def test_perplexity_kept_quantized_equals_dequantized(models, text_ids, dense_perplexity):
     kept = perplexity(models["auto"], text_ids)
+    print(f"weights kept quantized: perplexity {kept:.4f} against {dense_perplexity:.4f} "
+          f"({(kept / dense_perplexity - 1) * 100:+.3f}%)")
     assert abs(kept - dense_perplexity) / dense_perplexity < 0.001, (kept, dense_perplexity)
 
 
@@ -64,6 +66,8 @@ def test_perplexity_int8_at_load(smollm2, text_ids, dense_perplexity):
     model = load_model(smollm2, "cpu", torch.float32, "int8")
     assert all(m.quantized for m in model.modules() if isinstance(m, Linear))
     ppl = perplexity(model, text_ids)
+    print(f"weights int8: perplexity {ppl:.4f} against {dense_perplexity:.4f} "
+          f"({(ppl / dense_perplexity - 1) * 100:+.3f}%)")
     assert abs(ppl - dense_perplexity) / dense_perplexity < 0.005, (ppl, dense_perplexity)
 
 
