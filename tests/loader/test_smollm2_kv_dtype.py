@@ -13,7 +13,7 @@ size from token to token, which a range per channel over a page fits (``cache/kv
 ``bench/RESULTS.md``). The prompt chunks here fill whole pages at a time; a decode step writes one
 row and requantizes its page (the earlier rows rounded again where the page's range grows),
 which ``bench/RESULTS.md`` measures apart, a token a step: +3.55% over the whole text, above the
-3% (the earlier rows rounded again cost the rest)."""
+3%."""
 from __future__ import annotations
 
 import pytest
