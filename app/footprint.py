@@ -34,7 +34,9 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
 
 
 KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
-KV4_GROUP = 32  # 4-bit KV elements (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
+KV4_GROUP = 32  # 4-bit KV values (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
+KV4_KEY_RANGE_BYTES = 4  # 4-bit KV keys: an fp16 step and minimum per channel and page
+KV_PAGE = 16  # tokens per KV page (the engine's default page_size)
 
 
 def kv_bytes_per_token(shape: ModelShape, elt: float, attention_layers: int | None = None) -> int:
@@ -42,11 +44,12 @@ def kv_bytes_per_token(shape: ModelShape, elt: float, attention_layers: int | No
     0.5: 4bit, with their scales)."""
     layers = shape.n_attention if attention_layers is None else attention_layers
     d = shape.config.head_dim
-    if elt == 0.5:
-        row = d // 2 + KV_SCALE_BYTES * (d // min(KV4_GROUP, d))
-    else:
-        row = d * int(elt) + (KV_SCALE_BYTES if elt == 1 else 0)
-    return 2 * layers * shape.config.num_key_value_heads * row
+    heads = shape.config.num_key_value_heads
+    if elt == 0.5:  # key codes and ranges per page, value codes and their groups' scales
+        page = layers * heads * (KV_PAGE * (d + KV_SCALE_BYTES * (d // min(KV4_GROUP, d))) + KV4_KEY_RANGE_BYTES * d)
+        return -(-page // KV_PAGE)
+    row = d * int(elt) + (KV_SCALE_BYTES if elt == 1 else 0)
+    return 2 * layers * heads * row
 
 
 def state_bytes_per_lane(shape: ModelShape, elt: int, state_elt: int = 4) -> int:

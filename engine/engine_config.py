@@ -66,8 +66,8 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     # the KV pages' element type, one of KV_DTYPES: "auto" the compute dtype, "bf16", or "fp8"
-    # (e4m3) / "int8" with an fp32 scale per token and KV head, "4bit" two elements per byte with
-    # an fp32 scale per 32 elements of the head dim (``cache/kv_quant.py``)
+    # (e4m3) / "int8" with an fp32 scale per token and KV head, "4bit" two elements per byte, keys with
+    # a range per page and channel, values with an fp32 scale per 32 of the head dim (``cache/kv_quant.py``)
     kv_dtype: str = "auto"
     # the Gated DeltaNet recurrent state's element type in its slots, one of STATE_DTYPES: updated
     # in fp32 by the layers either way, stored rounded to it once per step (bf16 / fp16 halve the

@@ -63,7 +63,7 @@ def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> in
     slots = (config.max_concurrency + checkpoints + moving_slots(config, checkpoints)) * _slot_bytes(model, config)
     budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
     wanted = (config.max_concurrency + checkpoints) * config.max_context
-    return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype), wanted)
+    return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size), wanted)
 
 
 CHECKPOINTS_PER_REQUEST = 4  # device prefix checkpoints kept per concurrent request by default
@@ -85,7 +85,8 @@ def prefix_checkpoints(model: ModelConfig, config: EngineConfig) -> int:
         budget = CHECKPOINT_SLOTS_SHARE * free_memory_bytes(torch.device(config.device))
         while n > 16 and n * _slot_bytes(model, config) > budget:
             n //= 2
-    if config.kv_capacity is not None or kv_bytes_per_token(model, config.kv_storage_dtype) == 0 or not model.is_hybrid:
+    per_token = kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size)
+    if config.kv_capacity is not None or per_token == 0 or not model.is_hybrid:
         return n
     while n and _kv_tokens(model, config, n) < config.max_context:
         n //= 2
@@ -96,7 +97,7 @@ def plan_kv_pages(model: ModelConfig, config: EngineConfig, checkpoints: int = 0
     page = config.page_size
     if config.kv_capacity is not None:
         return -(-config.kv_capacity // page)
-    per_token = kv_bytes_per_token(model, config.kv_storage_dtype)
+    per_token = kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size)
     if per_token == 0:  # no full-attention layers
         return 1
     tokens = _kv_tokens(model, config, checkpoints)

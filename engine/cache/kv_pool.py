@@ -10,8 +10,9 @@ With a one-byte element type (``--kv-dtype fp8`` / ``int8``, ``kv_quant.py``) ea
 head) row has an fp32 scale in ``k_scales[a]`` / ``v_scales[a]`` ``[num_pages, P, Hkv]``, at the
 row's own index; ``tensors`` lists every tensor indexed by page on its dim 1, which is what a
 copy of pages (``copy_page``, the host tier) copies. 4-bit pages (``--kv-dtype 4bit``) are
-``[num_pages, page_size, Hkv, D / 2]`` bytes with a scale per group of the head dim,
-``[num_pages, P, Hkv, D / 32]``.
+``[num_pages, page_size, Hkv, D / 2]`` bytes; the keys' ranges are per page and channel,
+``k_scales[a]`` ``[num_pages, 2, Hkv, D]`` (fp16 steps and minimums), the values' scales per
+group of the head dim, ``v_scales[a]`` ``[num_pages, P, Hkv, D / 32]``.
 
 ``journal`` (a list, or None): where page copies are noted, for the tensor-parallel ranks to
 make the same in their own pages (``tp_steps.py``).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_quant import SCALE_DTYPE, page_shapes
+from .kv_quant import KEY_STATS_DTYPE, SCALE_DTYPE, is_packed, key_stats_shape, page_shapes
 
 
 class OutOfPagesError(RuntimeError):
@@ -45,8 +46,12 @@ class PagedKVPool:
         self.values = torch.zeros(rows + elements, dtype=dtype, device=device)
         self.k_scales = self.v_scales = None
         if scales is not None:
-            self.k_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
             self.v_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
+            if is_packed(dtype):  # a step and a minimum per page and channel
+                k_shape, k_dtype = rows[:2] + key_stats_shape(num_kv_heads, head_dim), KEY_STATS_DTYPE
+            else:
+                k_shape, k_dtype = rows + scales, SCALE_DTYPE
+            self.k_scales = torch.zeros(k_shape, dtype=k_dtype, device=device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders = [0] * num_pages
         self.journal: list[tuple] | None = None
@@ -58,7 +63,11 @@ class PagedKVPool:
         row = elements[0] * torch.empty((), dtype=dtype).element_size()
         if scales is not None:
             row += (scales[0] if scales else 1) * torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return 2 * num_attn_layers * page_size * num_kv_heads * row
+        per_page = 2 * num_attn_layers * page_size * num_kv_heads * row
+        if is_packed(dtype):  # the keys' ranges take the place of their groups' scales
+            per_page -= num_attn_layers * page_size * num_kv_heads * scales[0] * SCALE_DTYPE.itemsize
+            per_page += num_attn_layers * num_kv_heads * head_dim * 2 * KEY_STATS_DTYPE.itemsize
+        return per_page
 
     @property
     def tensors(self) -> list[torch.Tensor]:

@@ -23,17 +23,29 @@ frequencies, attention sinks), and a score's rounding error grows with the large
 hold rotated keys; values are not rotated (their error does not meet a product of outliers).
 
 4-bit pages (``--kv-dtype 4bit``, stored as ``uint8``, ``[..., D / 2]``): element ``2i`` in the
-low nibble of byte ``i``, ``2i + 1`` in the high one. Each group of ``KV4_GROUP`` (32) elements
-along the head dim has an fp32 scale ``amax(|group|) / 7.5`` (``[..., D / 32]`` beside the pages),
-and an element's code ``c`` in ``0 .. 15`` stands for ``(c - 7.5) * scale``: the midpoints of 16
-equal cells over ``[-amax, amax]``, every code used and no level at zero. Why these choices,
-measured on the embedded SmolLM2 (``D = 64``, ``bench/RESULTS.md``): groups of 32 over one
-scale per row (64): +11.7% perplexity against +15.1%, for 4 bytes per 32 elements (an eighth of
-a byte per element: a row of ``D = 256`` is 128 + 32 bytes against bf16's 512, 3.2x the
-tokens); the 16 midpoints over a grid of 15 levels with a zero (``-7 .. 7``): keys and values
-+8.7% against +13.6% (keys alone +7.7% against +9.5%). Keys are rotated as for one-byte pages
-(without it 4-bit keys cost about three times as much); values are not (rotating them did not
-help on a 1024-token sample).
+low nibble of byte ``i``, ``2i + 1`` in the high one. Keys and values are grouped differently, as
+KIVI does: keys per channel over a page, values per token.
+
+Keys: each (page, KV head, channel) has an fp16 step and minimum (``k_scales`` ``[num_pages, 2,
+Hkv, D]``: steps, then minimums), and a key's code ``c`` in ``0 .. 15`` stands for ``min + c *
+step`` over the page's rows. A key's few outlier channels (RoPE's low frequencies, attention
+sinks) keep their size from token to token, so a range per channel fits them and the other
+channels alike, where a range per row is set by the outliers and rounds the rest coarsely. A
+write requantizes each page it touches over the page's rows so far (the earlier ones
+dequantized, the new ones as computed): where the range grows the earlier rows are rounded again
+to the wider grid, where it does not they keep their codes. Keys are not rotated. Values: each
+group of ``KV4_GROUP`` (32) elements along the head dim has an fp32 scale ``amax(|group|) / 7.5``
+(``[..., D / 32]`` beside the pages) and a code ``c`` stands for ``(c - 7.5) * scale``, the
+midpoints of 16 equal cells over ``[-amax, amax]``.
+
+Measured on the embedded SmolLM2 (``D = 64``, pages of 16, 4096 tokens, ``bench/RESULTS.md``):
+keys per channel over a page +1.3% perplexity alone (+1.5% with the fp16 step and minimum,
++1.8% written a token at a time), against +9.7% for groups of 32 along the rotated head and
++6.2% for asymmetric groups of 16; values per row as above cost nothing measurable; keys and
+values through the paged steps +1.85% (the first version, groups of 32 of rotated keys: +11.7%). A row costs
+``D / 2`` bytes of codes, plus ``4 D / P`` bytes of key ranges a key row and 4 bytes a value
+group: 88 bytes per token and KV head at ``D = 64``, ``P = 16`` (5.5 bits an element), against
+bf16's 256.
 """
 from __future__ import annotations
 
@@ -43,7 +55,9 @@ import torch
 KV_DTYPES = ("auto", "bf16", "fp8", "int8", "4bit")
 # the pages of ``--kv-dtype 4bit``: two 4-bit codes per byte
 PACKED4 = torch.uint8
-KV4_GROUP = 32  # elements per scale along the head dim in 4-bit pages
+KV4_GROUP = 32  # elements per scale along the head dim in 4-bit value pages
+KEY_STATS_DTYPE = torch.float16  # the step and minimum of a channel of a 4-bit key page
+KEY_LEVELS = 15.0  # a 4-bit key code c stands for min + c * step, c in 0 .. 15
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, PACKED4: 7.5}
 CODE_MID = 7.5  # a 4-bit code c stands for (c - 7.5) * scale
 _STORAGE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "4bit": PACKED4}
@@ -64,6 +78,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
 def is_packed(dtype: torch.dtype) -> bool:
     """4-bit pages: two elements per byte, a scale per group of the head dim."""
     return dtype == PACKED4
+
+
+def key_stats_shape(num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """The shape of one 4-bit key page's ranges: a step and a minimum per (KV head, channel)."""
+    return (2, num_kv_heads, head_dim)
 
 
 def group_size(head_dim: int) -> int:
@@ -122,6 +141,78 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
         gs = codes.shape[-1] // scale.shape[-1]
         return (codes * scale.float().repeat_interleave(gs, dim=-1)).to(dtype)
     return (q.float() * scale[..., None].float()).to(dtype)
+
+
+def dequantize_keys4(q: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """4-bit key pages ``[n, P, Hkv, D / 2]`` with their ranges ``[n, 2, Hkv, D]`` to ``[n, P, Hkv, D]``."""
+    stats = stats.float()
+    return (unpack4(q).float() * stats[:, None, 0] + stats[:, None, 1]).to(dtype)
+
+
+def _key_ranges(rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16 step and minimum per (page, KV head, channel) over the ``valid`` rows ``[n, P]``
+    of pages ``rows`` ``[n, P, Hkv, D]``: the minimum rounded down and the step up, so that the
+    rounded grid still covers every row."""
+    mask = valid[:, :, None, None]
+    low = rows.masked_fill(~mask, float("inf")).amin(1)
+    high = rows.masked_fill(~mask, float("-inf")).amax(1)
+    low16 = low.to(KEY_STATS_DTYPE)
+    down, up = torch.full_like(low16, float("-inf")), torch.full_like(low16, float("inf"))
+    low16 = torch.where(low16.float() > low, torch.nextafter(low16, down), low16)
+    step = ((high - low16.float()) / KEY_LEVELS).clamp_min(_TINY)
+    step16 = step.to(KEY_STATS_DTYPE)
+    step16 = torch.where(step16.float() < step, torch.nextafter(step16, up), step16)
+    return step16.clamp_min(torch.finfo(KEY_STATS_DTYPE).tiny), low16
+
+
+KEYS_PER_WRITE = 256  # rows requantized at a time (each takes a copy of its page in fp32)
+
+
+def write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+    """Write keys ``k`` ``[n, Hkv, D]`` to flat pool rows ``index`` (``page * P + offset``) of 4-bit
+    key pages ``[num_pages, P, Hkv, D / 2]`` with ranges ``stats`` ``[num_pages, 2, Hkv, D]``,
+    requantizing each page touched over its rows up to the last one written. The rows of one page
+    are adjacent in ``index``, in order (a sequence's tokens); no host sync, so a CUDA graph can
+    hold it."""
+    for at in range(0, index.shape[0], KEYS_PER_WRITE):
+        _write_keys4(pages, stats, index[at : at + KEYS_PER_WRITE], k[at : at + KEYS_PER_WRITE])
+
+
+def _write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+    n, p = index.shape[0], pages.shape[1]
+    page, offset = index // p, index % p
+    at = torch.arange(n, device=index.device)
+    first = torch.ones(n, dtype=torch.bool, device=index.device)
+    first[1:] = page[1:] != page[:-1]
+    group = torch.cummax(torch.where(first, at, 0), 0).values  # each row's page's first row here
+    rows = dequantize_keys4(pages[page], stats[page], torch.float32)  # [n, P, Hkv, D]
+    rows[group, offset] = k.float()  # the page's new rows into its first row's copy
+    last = torch.zeros(n, dtype=offset.dtype, device=index.device).scatter_reduce(0, group, offset, "amax")
+    rows, last = rows[group], last[group]  # every row of a page: its page as the first row holds it
+    codes, ranges = quantize_keys4(rows, torch.arange(p, device=index.device)[None, :] <= last[:, None])
+    pages.index_copy_(0, page, codes)  # the rows of a page write the same
+    stats.index_copy_(0, page, ranges)
+
+
+def quantize_keys4(rows: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key pages ``[n, P, Hkv, D]`` to packed codes ``[n, P, Hkv, D / 2]`` and their ranges
+    ``[n, 2, Hkv, D]`` over the rows ``valid`` ``[n, P]`` (all where None; the others' codes are
+    clamped to the range)."""
+    if valid is None:
+        valid = torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)
+    rows = rows.float()
+    step, low = _key_ranges(rows, valid)
+    codes = ((rows - low.float()[:, None]) / step.float()[:, None]).nan_to_num_(0.0).round_().clamp_(0, KEY_LEVELS)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.stack([step, low], dim=1)
+
+
+def quantize_pages(x: torch.Tensor, dtype: torch.dtype, keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole pages ``[n, P, Hkv, D]`` of keys or values to ``dtype`` and their scales (4-bit keys:
+    their ranges per page and channel over the rows without NaN), as writes leave them."""
+    if keys and is_packed(dtype):
+        return quantize_keys4(x, ~x.isnan().any(-1).any(-1))
+    return quantize(x, dtype)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -256,7 +256,9 @@ def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, 
     return conv, recurrent
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one token's K/V over every attention layer with pages of ``dtype`` (scales included)."""
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, page_size: int = 16) -> int:
+    """Bytes of one token's K/V over every attention layer with pages of ``dtype`` (scales
+    included; 4-bit pages' key ranges per page of ``page_size`` tokens, rounded up a token)."""
     n_attn = sum(t == "full_attention" for t in config.layer_types)
-    return PagedKVPool.bytes_per_page(n_attn, 1, config.num_key_value_heads, config.head_dim, dtype)
+    per_page = PagedKVPool.bytes_per_page(n_attn, page_size, config.num_key_value_heads, config.head_dim, dtype)
+    return -(-per_page // page_size)

@@ -5,9 +5,10 @@ gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * 
 Projections, norms and RoPE run on the whole flat token run. In an engine step (``batch.step``)
 the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
 reference path it runs per sequence against that sequence's cache. The pages may hold one byte
-per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``) or two per
-byte with a scale per group of 32 (``4bit``, ``cache/kv_quant.py``): keys and queries rotated, K/V written quantized, read dequantized inside
-the attention.
+per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``: keys and
+queries rotated) or two per byte (``4bit``: keys with a range per page and channel, values with a
+scale per group of 32; ``cache/kv_quant.py``): K/V written quantized, read dequantized inside the
+attention.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv_quant import quantize, raw_bytes, rotation
+from ..cache.kv_quant import is_packed, quantize, raw_bytes, rotation, write_keys4
 from .fused_linear import NormFusedInput, fuse_linears, split_linear
 from .linear import Linear
 from .norm import RMSNorm
@@ -171,17 +172,22 @@ class Attention(NormFusedInput, nn.Module):
         if on_triton(q) and k_scale is None and positions.dim() == 1:  # three-axis positions: the torch path
             gate = self._gate(q)
             q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
-        else:  # the torch path; one-byte pages take it on the GPU too, for the keys' rotation
+        else:  # the torch path; quantized pages take it on the GPU too (the keys' rotation, 4-bit key ranges)
             q, k, v, gate = self._prepare(q, k, v, positions)
             hkv, hd = self.num_kv_heads, self.head_dim
-            if k_scale is not None:  # quantized pages: rotated keys (``kv_quant.rotation``), bytes and scales
+            keys4 = k_scale is not None and is_packed(k_pages.dtype)
+            if keys4:  # 4-bit keys: requantized with a range per page and channel, unrotated
+                write_keys4(k_pages, k_scale, meta.write_index, k)
+            elif k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and scales
                 h = rotation(hd, q.device, torch.float32)
                 if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype
                     q, k = torch.matmul(q.float(), h).to(q.dtype), torch.matmul(k.float(), h)
-                (k, ks), (v, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
-                k_scale.flatten(0, 1).index_copy_(0, meta.write_index, ks)  # a scale per row (per group: 4-bit)
-                v_scale.flatten(0, 1).index_copy_(0, meta.write_index, vs)
-            for pages, x in ((k_pages, k), (v_pages, v)):  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
+                k, ks = quantize(k, k_pages.dtype)
+                k_scale.flatten(0, 1).index_copy_(0, meta.write_index, ks)  # a scale per row
+            if v_scale is not None:
+                v, vs = quantize(v, v_pages.dtype)
+                v_scale.flatten(0, 1).index_copy_(0, meta.write_index, vs)  # a scale per row (per group: 4-bit)
+            for pages, x in ((k_pages, k), (v_pages, v))[keys4:]:  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
                 rows = raw_bytes(pages).view(-1, hkv, pages.shape[-1])
                 rows.index_copy_(0, meta.write_index, raw_bytes(x.to(pages.dtype)))
         d, prompt = meta.num_decode, meta.prompt

@@ -12,8 +12,9 @@ and the pool's maximum pages per sequence, so a step can be captured in a CUDA g
 One-byte pages (``--kv-dtype fp8`` / ``int8``, ``QUANT``): a tile's keys are converted exactly to
 the query's dtype and their per-row scales multiply the scores; its values are dequantized
 (times their scales, in fp32, then to the query's dtype) before the weighted sum. 4-bit pages
-(``--kv-dtype 4bit``, ``PACKED``): each element of a K / V tile reads its byte and nibble and the
-scale of its group (``load_kv4``), and the tile is dequantized in fp32 before the dots.
+(``--kv-dtype 4bit``, ``PACKED``): each element of a K / V tile reads its byte and nibble, a key
+the step and minimum of its page's channel (``load_keys4``), a value the scale of its group
+(``load_kv4``), and the tile is dequantized in fp32 before the dots.
 """
 from __future__ import annotations
 
@@ -71,6 +72,27 @@ def load_kv4(ptr, s_ptr, rows, offs_d, mask, D: tl.constexpr, GS: tl.constexpr, 
     return (code.to(tl.float32) - 7.5) * scale
 
 
+@triton.jit
+def load_keys4(ptr, st_ptr, rows, offs_d, mask, D: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr,
+               MASKED: tl.constexpr):
+    """A tile ``[len(rows), D]`` of 4-bit key pages in fp32: element ``d`` of pool row ``r`` (page
+    ``r / (P * HKV)``, KV head ``r % HKV``) is nibble ``d % 2`` of byte ``r * D / 2 + d / 2``
+    times the step plus the minimum of channel ``d`` of that page and head (ranges ``[pages, 2,
+    HKV, D]``: steps, then minimums); rows outside ``mask`` read as zeros when ``MASKED``."""
+    byte_at = ptr + rows[:, None] * (D // 2) + offs_d[None, :] // 2
+    step_at = st_ptr + ((rows // (P * HKV) * 2 * HKV + rows % HKV) * D)[:, None] + offs_d[None, :]
+    if MASKED:
+        byte = tl.load(byte_at, mask=mask[:, None], other=0)
+        step = tl.load(step_at, mask=mask[:, None], other=0.0)
+        low = tl.load(step_at + HKV * D, mask=mask[:, None], other=0.0)
+    else:
+        byte = tl.load(byte_at)
+        step = tl.load(step_at)
+        low = tl.load(step_at + HKV * D)
+    code = (byte.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 15
+    return code.to(tl.float32) * step.to(tl.float32) + low.to(tl.float32)
+
+
 # integers that move from step to step (block-table width, splits, gate strides) are not
 # specialized on (== 1, % 16): each new value would compile a variant inside a user's request
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -101,7 +123,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, m_ptr,
             t = off + tl.arange(0, BLOCK_N)
             tmask = t < ctx
             if PACKED:
-                k = load_kv4(k_ptr, ks_ptr, row, offs_d, tmask, D, GS, True)
+                k = load_keys4(k_ptr, ks_ptr, row, offs_d, tmask, D, HKV, P, True)
                 v = load_kv4(v_ptr, vs_ptr, row, offs_d, tmask, D, GS, True)
             else:
                 k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=tmask[:, None], other=0.0)
@@ -163,23 +185,24 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_splits, stride_
 
 def check_scales(what: str, k_pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  d: int) -> tuple[bool, int]:
-    """Whether the pages are 4-bit and their group size (``d`` when not 4-bit); a ValueError
-    where the scales do not fit the pages (one per row, or one per group of a 4-bit row) or are
-    not contiguous."""
+    """Whether the pages are 4-bit and their values' group size (``d`` when not 4-bit); a
+    ValueError where the scales do not fit the pages (one per row; 4-bit: a key range per page
+    and channel, a value scale per group of a row) or are not contiguous."""
     packed = is_packed(k_pages.dtype)
     if k_scale is None and v_scale is None and not packed:
         return False, d
-    ok = k_scale is not None and v_scale is not None and k_scale.shape == v_scale.shape and \
-        k_scale.is_contiguous() and v_scale.is_contiguous()
-    if ok and packed:
-        ok = k_scale.dim() == 4 and k_scale.shape[:-1] == k_pages.shape[:-1] and d % k_scale.shape[-1] == 0
+    ok = k_scale is not None and v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous()
+    if ok and packed:  # the keys' ranges per page and channel, the values' scales per group
+        n, _, hkv, _ = k_pages.shape
+        ok = k_scale.shape == (n, 2, hkv, d) and v_scale.dim() == 4 and v_scale.shape[:-1] == k_pages.shape[:-1] \
+            and d % v_scale.shape[-1] == 0
     elif ok:
-        ok = k_scale.shape == k_pages.shape[:-1]
+        ok = k_scale.shape == v_scale.shape == k_pages.shape[:-1]
     if not ok:
         raise ValueError(f"{what}: scales {None if k_scale is None else tuple(k_scale.shape)} / "
                          f"{None if v_scale is None else tuple(v_scale.shape)} for {k_pages.dtype} pages "
                          f"{tuple(k_pages.shape)}")
-    return packed, (d // k_scale.shape[-1] if packed else d)
+    return packed, (d // v_scale.shape[-1] if packed else d)
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -189,7 +212,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_page
                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``gate`` ``[B, H, D]`` (any row and head strides): output ``* sigmoid(gate)``. ``k_scale`` /
     ``v_scale`` ``[num_pages, P, Hkv]`` contiguous: the rows' scales of one-byte pages (4-bit
-    pages ``[num_pages, P, Hkv, D / 2]``: their groups' scales ``[num_pages, P, Hkv, D / GS]``). ``tiles``
+    pages ``[num_pages, P, Hkv, D / 2]``: the keys' ranges ``[num_pages, 2, Hkv, D]``, the values'
+    groups' scales ``[num_pages, P, Hkv, D / GS]``). ``tiles``
     overrides the launch choices (the launch settings' ``attention_shape_tiles`` entry for the
     shape, else their attention_* defaults; ``bench.attention_tune`` times them): ``PROGRAMS_PER_SM``, ``MAX_SPLITS``, ``BLOCK_N``
     (tokens per step), ``num_warps`` / ``num_stages`` of the first phase and ``REDUCE_BLOCK_D``."""

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kv_quant import dequantize
-from .paged_attention import page_width
+from .paged_attention import dequantize_pages, page_width
 from .triton_switch import on_triton
 
 
@@ -50,7 +49,8 @@ def prefill_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's first ``ctx_len`` keys / values gathered from its pages (dequantized with their
     scales ``[num_pages, P, Hkv]`` where given: one-byte pages; 4-bit pages ``[..., D / 2]`` with
-    scales ``[num_pages, P, Hkv, D / 32]``; ``cache/kv_quant.py``), then
+    key ranges ``[num_pages, 2, Hkv, D]`` and value scales ``[num_pages, P, Hkv, D / 32]``;
+    ``cache/kv_quant.py``), then
     ``attention.causal_attention`` (fp32 scores and softmax); ``[T, H, D]`` in ``q``'s dtype,
     times ``sigmoid(gate)`` when a gate is given (as the torch path of ``Attention`` applies it)."""
     from .attention import causal_attention  # here: attention.py imports this module
@@ -69,11 +69,11 @@ def prefill_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
         if end == start:
             continue
         pages = block_tables[r, : -(-ctx // page)].long()
-        keys = k_pages[pages].flatten(0, 1)[:ctx]
-        values = v_pages[pages].flatten(0, 1)[:ctx]
+        keys, values = k_pages[pages], v_pages[pages]
         if k_scale is not None:
-            keys = dequantize(keys, k_scale[pages].flatten(0, 1)[:ctx], torch.float32)
-            values = dequantize(values, v_scale[pages].flatten(0, 1)[:ctx], torch.float32)
+            keys = dequantize_pages(keys, k_scale[pages], torch.float32, True)
+            values = dequantize_pages(values, v_scale[pages], torch.float32, False)
+        keys, values = keys.flatten(0, 1)[:ctx], values.flatten(0, 1)[:ctx]
         out[start:end] = causal_attention(q[start:end], keys, values, scale)
     return out if gate is None else out * torch.sigmoid(gate)
 

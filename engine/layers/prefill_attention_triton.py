@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import launch
-from .paged_attention_triton import _pool_rows, check_scales, load_kv4
+from .paged_attention_triton import _pool_rows, check_scales, load_keys4, load_kv4
 from .prefill_attention import check_args
 
 # Launch choices by head_dim: ``launch.LaunchSettings.prefill_attention_tiles`` ((query, head)
@@ -35,13 +35,13 @@ from .prefill_attention import check_args
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, mask, dtype, D: tl.constexpr, MASKED: tl.constexpr,
-             QUANT: tl.constexpr, PACKED: tl.constexpr, GS: tl.constexpr):
+             QUANT: tl.constexpr, PACKED: tl.constexpr, GS: tl.constexpr, HKV: tl.constexpr, P: tl.constexpr):
     """A K/V tile in ``dtype`` (values dequantized; 4-bit pages: keys too) and the keys' per-row
     scales (unused zeros unless ``QUANT``: a jitted function cannot return None); rows outside
     ``mask`` read as zeros when ``MASKED``."""
     ks = tl.zeros_like(rows).to(tl.float32)
     if PACKED:
-        k = load_kv4(k_ptr, ks_ptr, rows, offs_d, mask, D, GS, MASKED)
+        k = load_keys4(k_ptr, ks_ptr, rows, offs_d, mask, D, HKV, P, MASKED)
         v = load_kv4(v_ptr, vs_ptr, rows, offs_d, mask, D, GS, MASKED)
     elif MASKED:
         k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
@@ -108,7 +108,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr
         for start in range(0, full, BLOCK_N):
             rows = _pool_rows(bt_row, start + tl.arange(0, BLOCK_N), full, kvh, HKV, P)
             k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, None, q.dtype, D, False, QUANT,
-                                PACKED, GS)
+                                PACKED, GS, HKV, P)
             m_i, l_i, acc = _step(q, k, v, ks, m_i, l_i, acc, qk_scale, None, False, QUANT)
         # the diagonal band: every query sees key ``full`` (<= first), so no row is all -inf
         for start in range(full, last + 1, BLOCK_N):
@@ -116,7 +116,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr
             kmask = k_pos <= last  # keys past the tile's last query: none sees them (may be past ctx)
             rows = _pool_rows(bt_row, k_pos, last + 1, kvh, HKV, P)
             k, v, ks = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, rows, offs_d, kmask, q.dtype, D, True, QUANT,
-                                PACKED, GS)
+                                PACKED, GS, HKV, P)
             visible = k_pos[None, :] <= q_pos[:, None]
             m_i, l_i, acc = _step(q, k, v, ks, m_i, l_i, acc, qk_scale, visible, True, QUANT)
         out = acc / l_i[:, None]
@@ -140,7 +140,8 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     longest row's query count (a host int, at least that row's: a smaller one leaves the rows'
     last tokens uncomputed); ``k_scale`` / ``v_scale`` ``[num_pages, P, Hkv]`` contiguous, the
     rows' scales of one-byte pages (4-bit pages ``[..., D / 2]``: their groups' scales
-    ``[num_pages, P, Hkv, D / GS]``). ``tiles`` overrides the launch settings' tiles for ``D`` (``BLOCK_M``, ``BLOCK_N``,
+    ``[num_pages, P, Hkv, D / GS]``; their keys' ranges ``[num_pages, 2, Hkv, D]``).
+    ``tiles`` overrides the launch settings' tiles for ``D`` (``BLOCK_M``, ``BLOCK_N``,
     ``num_warps``, ``num_stages``). Returns ``[T, H, D]`` contiguous, in ``q``'s dtype."""
     check_args(q, k_pages, v_pages, block_tables, cu_seqlens_q, ctx_lens, gate)
     t, h, d = q.shape

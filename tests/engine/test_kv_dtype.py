@@ -1,6 +1,8 @@
 """``--kv-dtype``: KV pages in one byte per element (fp8 e4m3, int8) with a scale per (token, KV
-head), or two elements per byte (4bit) with a scale per group of 32 along the head dim. The
-setting is validated, the pool and the memory plan count the smaller pages and their scales, quantization round-trips within a step of its grid, greedy outputs
+head), or two elements per byte (4bit): keys with a step and minimum per page and channel,
+values with a scale per group of 32 along the head dim. The setting is validated, the pool and
+the memory plan count the smaller pages and their scales, quantization round-trips within a step
+of its grid (4-bit keys written a row at a time as well), greedy outputs
 of a tiny Llama and a tiny Qwen3.5 stay with the fp32 cache's, and prefix checkpoints (on the
 device and in host memory) give the tokens the same kv dtype gives without them."""
 from __future__ import annotations
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from ninfer.engine.cache.kv_pool import PagedKVPool
-from ninfer.engine.cache.kv_quant import QMAX, dequantize, quantize, rotation, unpack4
+from ninfer.engine.cache.kv_quant import (QMAX, dequantize, dequantize_keys4, quantize, quantize_keys4, rotation,
+                                          unpack4, write_keys4)
 from ninfer.engine.cache.manager import kv_bytes_per_token
 from ninfer.engine.engine_config import EngineConfig
 from support.prefix_cases import engine, greedy_with_top5, req, run
@@ -100,16 +103,57 @@ def test_pool_and_plan_count_one_byte_elements_and_their_scales(name, dtype):
     assert torch.equal(pool.k_scales[:, 4], pool.k_scales[:, 1])
 
 
-def test_pool_and_plan_count_4bit_pages_and_their_group_scales():
+def test_pool_and_plan_count_4bit_pages_and_their_key_ranges_and_value_scales():
     pool = PagedKVPool(3, 5, 16, 2, 64, torch.uint8, "cpu")
-    assert pool.keys.shape == (3, 5, 16, 2, 32) and pool.k_scales.shape == (3, 5, 16, 2, 2)
+    assert pool.keys.shape == pool.values.shape == (3, 5, 16, 2, 32)
+    assert pool.k_scales.shape == (3, 5, 2, 2, 64) and pool.k_scales.dtype == torch.float16  # step, minimum
+    assert pool.v_scales.shape == (3, 5, 16, 2, 2) and pool.v_scales.dtype == torch.float32
     per_page = PagedKVPool.bytes_per_page(3, 16, 2, 64, torch.uint8)
-    assert pool.page_bytes == per_page == 2 * 3 * 16 * 2 * (32 + 2 * 4)
-    assert per_page * 3.2 == PagedKVPool.bytes_per_page(3, 16, 2, 64, torch.bfloat16)
+    assert pool.page_bytes == per_page == 3 * 2 * (16 * (32 + 32 + 2 * 4) + 2 * 64 * 2)
+    assert per_page * 256 == PagedKVPool.bytes_per_page(3, 16, 2, 64, torch.bfloat16) * 88  # 88 bytes a token and head
+    assert kv_bytes_per_token(type("C", (), {"layer_types": ["full_attention"] * 3, "num_key_value_heads": 2,
+                                             "head_dim": 64})(), torch.uint8) == per_page // 16
     pool.v_scales[:, 2] = 3.0
+    pool.k_scales[:, 2] = 0.5
     pool.values[:, 2] = 0x5A
     pool.copy_page(2, 0)
     assert torch.equal(pool.v_scales[:, 0], pool.v_scales[:, 2]) and torch.equal(pool.values[:, 0], pool.values[:, 2])
+    assert torch.equal(pool.k_scales[:, 0], pool.k_scales[:, 2])
+
+
+def test_4bit_keys_written_a_row_at_a_time_keep_a_range_per_page_and_channel(monkeypatch):
+    """Rows written one by one (decode), in runs crossing pages (prompt chunks, runs split between
+    requantizations) or all at once: each page's rows dequantize within a step of their page's
+    range per channel; written at once they are ``quantize_keys4`` of the page; a row inside the
+    range leaves the earlier rows' codes as they were."""
+    from ninfer.engine.cache import kv_quant
+
+    g = torch.Generator().manual_seed(1)
+    n_pages, page, hkv, d = 4, 8, 2, 64
+    x = torch.randn(2 * page, hkv, d, generator=g) * torch.logspace(-1, 1, d) + torch.linspace(-20, 20, d)
+    index = torch.cat([torch.arange(page) + 3 * page, torch.arange(page) + page])  # pages 3 then 1
+    at_once = (torch.zeros(n_pages, page, hkv, d // 2, dtype=torch.uint8), torch.zeros(n_pages, 2, hkv, d).half())
+    write_keys4(*at_once, index, x)
+    codes, ranges = quantize_keys4(torch.stack([x[page:], x[:page]], 0))
+    assert torch.equal(at_once[0][[1, 3]], codes) and torch.equal(at_once[1][[1, 3]], ranges)
+    monkeypatch.setattr(kv_quant, "KEYS_PER_WRITE", 5)
+    for runs in ([1] * 2 * page, [3, 7, 6]):
+        pages = torch.full((n_pages, page, hkv, d // 2), 0xFF, dtype=torch.uint8)
+        stats = torch.zeros(n_pages, 2, hkv, d).half()
+        start = 0
+        for n in runs:
+            write_keys4(pages, stats, index[start : start + n], x[start : start + n])
+            start += n
+        back = dequantize_keys4(pages, stats, torch.float32)[[3, 1]].flatten(0, 1)
+        step = stats[[3, 1], 0].float().repeat_interleave(page, 0)
+        err = (back - x).abs() / step  # in steps of the final range
+        assert err.max() < 1.5 and (err <= 0.5 + 1e-3).float().mean() > 0.9, err  # rounded again as the range grew
+    pages, stats = torch.zeros(n_pages, page, hkv, d // 2, dtype=torch.uint8), torch.zeros(n_pages, 2, hkv, d).half()
+    write_keys4(pages, stats, index[: page - 1], x[: page - 1])
+    before = pages.clone(), stats.clone()
+    back = dequantize_keys4(pages, stats, torch.float32)[3]
+    write_keys4(pages, stats, index[page - 1 : page], (back[:1] + back[1:2]) / 2)  # inside the range
+    assert torch.equal(pages[3, :-1], before[0][3, :-1]) and torch.equal(stats, before[1])
 
 
 def test_memory_plan_fits_more_tokens_with_one_byte_pages(parts, monkeypatch):
@@ -123,7 +167,8 @@ def test_memory_plan_fits_more_tokens_with_one_byte_pages(parts, monkeypatch):
     d = cfg.head_dim
     assert per["int8"] * 4 * d == per["auto"] * (d + 4)  # fp32 elements against a byte and a share of a scale
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 1 << 30)
-    assert per["4bit"] * 4 * d == per["auto"] * (d // 2 + 4 * d // min(32, d))  # half a byte and the groups' scales
+    # half a byte, the values' groups' scales and the keys' fp16 ranges over a page of 16
+    assert per["4bit"] * 4 * d == per["auto"] * (d // 2 + 2 * d // min(32, d) + d // 8)
     tokens = {kv: memory._kv_tokens(cfg, EngineConfig(max_context=1 << 28, max_concurrency=2, kv_dtype=kv), 0)
               for kv in ("auto", "int8", "4bit")}
     assert tokens["int8"] > 3 * tokens["auto"]  # the same free memory holds ~3.8x the tokens
@@ -219,13 +264,20 @@ def test_speculated_steps_over_one_byte_pages_give_the_tokens_of_one_token_steps
 
 
 def _unpacked(pages: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """4-bit pages dequantized element by element here, not through ``kv_quant``: byte ``i``'s low
-    nibble is element ``2i``, its high one ``2i + 1``, each ``code - 7.5`` times its group's scale."""
+    """4-bit value pages dequantized element by element here, not through ``kv_quant``: byte ``i``'s
+    low nibble is element ``2i``, its high one ``2i + 1``, each ``code - 7.5`` times its group's scale."""
     lo, hi = (pages & 15).float() - 7.5, (pages >> 4).float() - 7.5
     codes = torch.empty(*pages.shape[:-1], 2 * pages.shape[-1])
     codes[..., 0::2], codes[..., 1::2] = lo, hi
     group = codes.shape[-1] // scales.shape[-1]
     return codes * scales.repeat_interleave(group, dim=-1)
+
+
+def _unpacked_keys(pages: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """4-bit key pages dequantized here: code times its page's channel's step plus its minimum."""
+    codes = torch.empty(*pages.shape[:-1], 2 * pages.shape[-1])
+    codes[..., 0::2], codes[..., 1::2] = (pages & 15).float(), (pages >> 4).float()
+    return codes * ranges[:, 0, None].float() + ranges[:, 1, None].float()
 
 
 def test_the_torch_attention_over_4bit_pages_attends_to_their_dequantized_rows():
@@ -237,8 +289,9 @@ def test_the_torch_attention_over_4bit_pages_attends_to_their_dequantized_rows()
 
     g = torch.Generator().manual_seed(3)
     pages, page, hkv, h, d = 12, 8, 2, 6, 64
-    (k, ks), (v, vs) = (quantize(torch.randn(pages, page, hkv, d, generator=g) * 3, torch.uint8) for _ in range(2))
-    keys, values = _unpacked(k, ks), _unpacked(v, vs)
+    k, ks = quantize_keys4(torch.randn(pages, page, hkv, d, generator=g) * 3 + 5)
+    v, vs = quantize(torch.randn(pages, page, hkv, d, generator=g) * 3, torch.uint8)
+    keys, values = _unpacked_keys(k, ks), _unpacked(v, vs)
     tables = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(2)]).int()
     lens = torch.tensor([13, 37], dtype=torch.int32)
     q = torch.randn(2, h, d, generator=g)

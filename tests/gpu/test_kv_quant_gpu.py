@@ -19,11 +19,12 @@ IDS = ["int8", "fp8", "4bit"]
 @pytest.mark.parametrize("kv_dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("d, h, hkv", [(256, 24, 4), (128, 32, 8), (64, 12, 2)])
 def test_paged_decode_attention_over_quantized_pages(d, h, hkv, kv_dtype):
-    from ninfer.engine.cache.kv_quant import quantize
+    from ninfer.engine.cache.kv_quant import quantize_pages
     from ninfer.engine.layers.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
     b, page, pages = 4, 16, 600
-    (k, ks), (v, vs) = (quantize(torch.randn(pages, page, hkv, d, device="cuda"), kv_dtype) for _ in range(2))
+    (k, ks), (v, vs) = (quantize_pages(torch.randn(pages, page, hkv, d, device="cuda"), kv_dtype, keys)
+                        for keys in (True, False))
     lens = torch.tensor([1, 100, 4097, 9000], dtype=torch.int32, device="cuda")
     tables = torch.stack([torch.randperm(pages, device="cuda")[:570] for _ in range(b)]).int()
     q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
@@ -36,11 +37,12 @@ def test_paged_decode_attention_over_quantized_pages(d, h, hkv, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("d, h, hkv, page", [(256, 24, 4, 16), (128, 16, 16, 32), (64, 12, 2, 16)])
 def test_prefill_attention_over_quantized_pages(d, h, hkv, page, kv_dtype):
-    from ninfer.engine.cache.kv_quant import quantize
+    from ninfer.engine.cache.kv_quant import quantize_pages
     from ninfer.engine.layers.prefill_attention import prefill_attention, prefill_attention_ref
 
     case = paged_rows([(0, 300), (5003, 1), (1021, 200)], h, hkv, d, page, torch.bfloat16, "cuda", True)
-    (k, ks), (v, vs) = quantize(case.k, kv_dtype), quantize(case.v, kv_dtype)  # NaN scales past each context
+    # NaN value scales past each context (4-bit keys: ranges over the rows before)
+    (k, ks), (v, vs) = quantize_pages(case.k, kv_dtype, True), quantize_pages(case.v, kv_dtype, False)
     out = prefill_attention(case.q, k, v, case.tables, case.cu, case.ctx, case.max_q, case.scale, case.gate, ks, vs)
     ref = prefill_attention_ref(case.q.float(), k, v, case.tables, case.cu, case.ctx, case.scale,
                                 case.gate.float(), ks, vs)

@@ -1,5 +1,5 @@
 """``--weights int8`` / ``int4``: a dense checkpoint's projections quantized at load (round to nearest,
-per-row int8, int4 in groups of 128) and run through the CPU linear methods; the logits of a tiny
+per-row int8, int4 in groups of 128, of 32 for narrow matrices) and run through the CPU linear methods; the logits of a tiny
 random Qwen3.5 stay near those of its dense load."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from support.tiny import save_tiny_qwen3_5, save_tokenizer
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_round_to_nearest_is_within_half_a_step(bits):
-    w = torch.randn(32, 256) * torch.linspace(0.1, 3.0, 32)[:, None]
+    w = torch.randn(32, 2048) * torch.linspace(0.1, 3.0, 32)[:, None]
     q = quantize_rtn(w, bits)
     assert q.bits == bits and q.group == 128 and q.q.dtype == (torch.uint8 if bits == 4 else torch.int8)
     step = q.scale.repeat_interleave(q.group, dim=1)
@@ -26,9 +26,17 @@ def test_round_to_nearest_is_within_half_a_step(bits):
 
 
 def test_groups_of_128_or_the_largest_that_divides():
-    assert quantize_rtn(torch.randn(16, 576), 4).group == 64
+    assert quantize_rtn(torch.randn(16, 2304), 4).group == 128
+    assert quantize_rtn(torch.randn(16, 2112), 4).group == 64
+    assert quantize_rtn(torch.randn(16, 576), 8).group == 64
     assert quantize_rtn(torch.randn(16, 96), 8).group == 32
     assert quantize_rtn(torch.randn(16, 48), 4) is None  # left dense
+
+
+def test_narrow_int4_matrices_take_groups_of_32():
+    """Fewer than ``NARROW_COLUMNS`` input columns (a small model's: SmolLM2's 576 and 1536)."""
+    assert quantize_rtn(torch.randn(16, 576), 4).group == 32
+    assert quantize_rtn(torch.randn(16, 1536), 4).group == 32
 
 
 @pytest.fixture(scope="module")

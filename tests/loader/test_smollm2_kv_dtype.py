@@ -6,12 +6,14 @@ issue's 0.5% of the perplexity with pages in the model's dtype (fp32 on the CPU)
 rotation fp8 cost +1.64%: nearly all of it the keys' (e4m3 keys alone +2.1%, values alone +0.09%
 on the first 2048 tokens).
 
-4-bit pages (two elements a byte, a scale per 32 of the head dim, keys rotated) cost +11.7%:
-more than the issue's 3%, which stays an expected failure. Nearly all of it is the keys':
-4-bit keys with int8 values cost +7.7%, and neither keeping the first token's key exact, random
-signs in the rotation nor scales per channel over each page's 16 tokens took keys alone below
-+5.9% (``bench/RESULTS.md``); a 135M model with 64-wide heads is more sensitive to key noise
-than the large models 4-bit KV is meant for."""
+4-bit pages (two elements a byte; keys with a step and minimum per page of 16 and channel, values
+with a scale per 32 of the head dim) within the issue's 3%: measured +1.9%. Per-row groups of the
+rotated keys (the first version, groups of 32) cost +11.7%; a key's outlier channels keep their
+size from token to token, which a range per channel over a page fits (``cache/kv_quant.py``,
+``bench/RESULTS.md``). The prompt chunks here fill whole pages at a time; a decode step writes one
+row and requantizes its page (the earlier rows rounded again where the page's range grows),
+which ``bench/RESULTS.md`` measures apart, a token a step: +3.55% over the whole text, above the
+3%."""
 from __future__ import annotations
 
 import pytest
@@ -51,17 +53,8 @@ def test_perplexity_with_one_byte_kv_within_half_a_percent(model, ids, default_p
     assert abs(ppl - default_ppl) / default_ppl < 0.005, (ppl, default_ppl)
 
 
-@pytest.fixture(scope="module")
-def ppl_4bit(model, ids) -> float:
-    return paged_perplexity(model, ids, torch.uint8)
-
-
-def test_perplexity_with_4bit_kv(ids, default_ppl, ppl_4bit):
-    print(f"kv 4bit: perplexity {ppl_4bit:.4f} against {default_ppl:.4f} ({(ppl_4bit / default_ppl - 1) * 100:+.3f}%)")
-    assert ppl_4bit != default_ppl
-    assert abs(ppl_4bit - default_ppl) / default_ppl < 0.14, (ppl_4bit, default_ppl)  # measured +11.7%
-
-
-@pytest.mark.xfail(reason="4-bit keys: +11.7% against the issue's 3% (see the module's docstring)", strict=True)
-def test_perplexity_with_4bit_kv_within_the_issues_bar(default_ppl, ppl_4bit):
-    assert abs(ppl_4bit - default_ppl) / default_ppl < 0.03, (ppl_4bit, default_ppl)
+def test_perplexity_with_4bit_kv_within_three_percent(model, ids, default_ppl):
+    ppl = paged_perplexity(model, ids, torch.uint8)
+    print(f"kv 4bit: perplexity {ppl:.4f} against {default_ppl:.4f} ({(ppl / default_ppl - 1) * 100:+.3f}%)")
+    assert ppl != default_ppl
+    assert abs(ppl - default_ppl) / default_ppl < 0.03, (ppl, default_ppl)  # measured +1.9%
