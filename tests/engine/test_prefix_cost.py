@@ -44,7 +44,7 @@ def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list
         eng.add_request(r)
     steps, spent, out = 0, 0.0, {r.request_id: [] for r in reqs}
     while eng.has_work:
-        t0 = time.thread_time()  # the engine steps on this thread (torch on one thread: ``one_thread``)
+        t0 = time.thread_time()  # the engine steps on this thread (torch on one: conftest's ``_few_threads``)
         outputs = eng.step()
         spent += time.thread_time() - t0
         steps += 1
@@ -53,16 +53,7 @@ def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list
     return steps, spent, out
 
 
-@pytest.fixture
-def one_thread():
-    """Torch on this thread alone, so its CPU time is the steps' time whatever else the machine runs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_distinct_prompts_take_the_same_steps_and_time_with_the_cache_as_without(parts, one_thread):
+def test_distinct_prompts_take_the_same_steps_and_time_with_the_cache_as_without(parts):
     cached, plain = engine(parts), engine(parts, prefix_cache=False)
     prefix = cached.caches.prefix
     assert prefix is not None and plain.caches.prefix is None

@@ -1,14 +1,13 @@
 """Requests sent together that share a long prompt prefix (an orchestrator's subagents with one
 system prompt) compute it once: on the embedded model, where a prompt's compute is real, the two
 take at most 65% of the time they take without the prefix cache. The time is this thread's CPU
-time with torch on one thread (the engine steps on it): what other programs on a shared machine
-do moves the wall clock, not that."""
+time (the engine steps on it; torch runs on one thread in the tests, conftest's ``_few_threads``):
+what other programs on a shared machine do moves the wall clock, not that."""
 from __future__ import annotations
 
 import time
 
 import pytest
-import torch
 
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
@@ -35,15 +34,7 @@ def finish(eng: LLMEngine, prompts: dict[str, list[int]]) -> tuple[float, dict[s
     return time.thread_time() - start, out
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_two_requests_sharing_a_long_system_prompt_finish_sooner(parts, one_thread):
+def test_two_requests_sharing_a_long_system_prompt_finish_sooner(parts):
     model, tok = parts
     system = tok.encode("You are a careful assistant that reads the repository before it answers. " * 60)
     prompts = {"a": system + tok.encode("Summarize the design."), "b": system + tok.encode("List the tests.")}
