@@ -126,10 +126,10 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
         tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mine)
 
 
-def _rows(t: torch.Tensor, name: str) -> int:
+def row_stride(t: torch.Tensor, name: str, kernel: str = "gdn step") -> int:
     """Row stride of a ``[B, n]`` view whose last dim is contiguous (a slice of a fused projection)."""
     if t.dim() != 2 or t.stride(1) != 1:
-        raise ValueError(f"gdn step: {name} {tuple(t.shape)} strides {t.stride()} needs contiguous rows")
+        raise ValueError(f"{kernel}: {name} {tuple(t.shape)} strides {t.stride()} needs contiguous rows")
     return t.stride(0)
 
 
@@ -158,7 +158,8 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
     if bsz:
         _gdn_step_kernel[(bsz, hv, dv // block_v)](
             qkv, z, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
-            slot_ids, counts, norm_weight, out, _rows(qkv, "qkv"), _rows(z, "z"), _rows(a, "a"), _rows(b, "b"),
+            slot_ids, counts, norm_weight, out,
+            row_stride(qkv, "qkv"), row_stride(z, "z"), row_stride(a, "a"), row_stride(b, "b"),
             counts.stride(0), c, dk**-0.5, eps,
             H=num_k_heads, HV=hv, K=dk, V=dv, BV=block_v, G_PAD=triton.next_power_of_2(hv // num_k_heads),
             W=width, W_PAD=triton.next_power_of_2(width), num_warps=4, **pdl_options(qkv))

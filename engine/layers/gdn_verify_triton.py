@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import launch
-from .gdn_decode_triton import BLOCK_V
+from .gdn_decode_triton import BLOCK_V, row_stride
 from .gdn_verify import check_verify_args
 from .pdl import pdl_options, pdl_wait
 
@@ -122,13 +122,6 @@ def _gdn_verify_kernel(qkv_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_pt
         s = held.to(tl.float32)
 
 
-def _rows(t: torch.Tensor, name: str) -> int:
-    """Row stride of a ``[R, n]`` view whose last dim is contiguous (a slice of a fused projection)."""
-    if t.dim() != 2 or t.stride(1) != 1:
-        raise ValueError(f"gdn verify: {name} {tuple(t.shape)} strides {t.stride()} needs contiguous rows")
-    return t.stride(0)
-
-
 def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_pool: torch.Tensor,
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       state_pool: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -153,7 +146,8 @@ def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_
     if rows and requests:
         _gdn_verify_kernel[(requests, hv, dv // block_v)](
             qkv, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,
-            slot_ids, cu_seqlens, conv_out, state_out, out, _rows(qkv, "qkv"), _rows(a, "a"), _rows(b, "b"),
+            slot_ids, cu_seqlens, conv_out, state_out, out,
+            *(row_stride(t, name, "gdn verify") for t, name in ((qkv, "qkv"), (a, "a"), (b, "b"))),
             c, dk**-0.5, H=num_k_heads, HV=hv, K=dk, V=dv, BV=block_v, W=width,
             W_PAD=triton.next_power_of_2(width), num_warps=tiles.get("num_warps", 4), **pdl_options(qkv))
     return out
