@@ -42,7 +42,7 @@ import torch
 
 from ninfer.engine.config import ModelConfig
 
-from .decode import NullTokenizer, randomize_
+from .decode import NullTokenizer, _sync, _timed, randomize_
 from .shapes import PREPROCESSOR, VISION, vision_shape
 
 MEGAPIXEL_SIDE = 1024  # 1 MP: a 1024 x 1024 image
@@ -68,19 +68,6 @@ def prompt_ids(cfg: ModelConfig, text: int, seed: int = 1) -> list[int]:
     lo, hi = (0, min(special)) if min(special) > cfg.vocab_size // 2 else (max(special) + 1, cfg.vocab_size)
     ids = torch.randint(lo, hi, (text,), generator=torch.Generator().manual_seed(seed)).tolist()
     return ids[: text // 2] + list(special) + ids[text // 2:]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
 
 
 def _median_s(fn, reps: int, warm: int = 1) -> float:
