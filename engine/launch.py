@@ -64,6 +64,12 @@ class LaunchSettings:
         128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         256: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
     })
+    # ... over 4-bit pages, by head_dim: these keys over the tiles above (the keys' and values'
+    # unpacking holds more shared memory a stage; the H200's head-dim-256 tiles with two stages
+    # need 256 KiB of its 227)
+    prefill_attention_4bit_tiles: dict[int, dict] = field(default_factory=lambda: {
+        64: {"num_stages": 1}, 128: {"num_stages": 1}, 256: {"BLOCK_N": 32, "num_stages": 1},
+    })
     # MoE decode (``layers/moe_triton.py``): the fused norm + router launch reads its router rows
     # before its wait; its programs by token bound (past the last bound the unfused launches
     # run); the grouped GEMVs' tiles (down: one token, more tokens)
@@ -111,7 +117,8 @@ class LaunchSettings:
 _FIELDS = {f.name: f for f in dataclasses.fields(LaunchSettings)}
 _DEFAULTS = LaunchSettings()
 # the settings keyed by shape (the others that hold a dict are one set of tiles)
-_TABLES = {"gemv_shape_tiles", "norm_gemv_shape_tiles", "attention_shape_tiles", "prefill_attention_tiles"}
+_TABLES = {"gemv_shape_tiles", "norm_gemv_shape_tiles", "attention_shape_tiles", "prefill_attention_tiles",
+           "prefill_attention_4bit_tiles"}
 
 
 def _key(text: str, source: str, name: str) -> int | Shape:

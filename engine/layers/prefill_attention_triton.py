@@ -163,8 +163,12 @@ def prefill_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: to
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0 or rows == 0:
         return out
-    table = launch.current().prefill_attention_tiles
-    c = dict(table.get(d, table[128]), **(tiles or {}))
+    settings = launch.current()
+    table = settings.prefill_attention_tiles
+    c = dict(table.get(d, table[128]))
+    if packed:
+        c.update(settings.prefill_attention_4bit_tiles.get(d, {}))
+    c.update(tiles or {})
     group = h // hkv
     grid = (triton.cdiv(max_seqlen_q * group, c["BLOCK_M"]), rows, hkv)
     _prefill_kernel[grid](
