@@ -19,7 +19,7 @@ import torch
 
 from . import parallel
 from .cache.manager import CacheManager
-from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
+from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta, chunk_pairs
 
 log = logging.getLogger("ninfer.engine")
 
@@ -124,7 +124,8 @@ def rebuild(msg: StepMessage, caches: CacheManager, device: torch.device) -> tup
     if msg.cu_seqlens is not None:
         cu = dev(msg.cu_seqlens)
         prompt = PromptRows(cu_seqlens=cu.to(torch.int32), cu_seqlens_long=cu, cu_seqlens_host=msg.cu_seqlens,
-                            max_seqlen=msg.max_seqlen, slots_host=msg.slots_host)
+                            max_seqlen=msg.max_seqlen, slots_host=msg.slots_host,
+                            chunks=dev(torch.tensor(chunk_pairs(msg.cu_seqlens.tolist()), dtype=torch.long).view(-1, 2)))
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=dev(msg.block_tables),
                     context_lens=dev(msg.context_lens), write_index=dev(msg.write_index), slot_ids=dev(msg.slot_ids),

@@ -35,6 +35,7 @@ from .gdn_ops import (
     varlen_gated_delta_rule,
 )
 from .gdn_verify import gdn_verify
+from .gdn_prompt import prompt_conv, prompt_delta_rule
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
@@ -201,12 +202,15 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
             qkv = groups[0][:d] if len(groups) == 1 else torch.cat([x[:d] for x in groups], dim=-1)
             parts.append(self._decode_rows(qkv, z[:d], b[:d], a[:d], meta))
         groups = tuple(x[d:] for x in groups)
-        g, beta = self._gates(a[d:], b[d:])
         gi = meta.gdn_ordinal[self.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
-        if groups[0].is_cuda:
+        if groups[0].is_cuda and self.head_k_dim == self.head_v_dim:
+            o = self._mix_prompt_rows(groups, a[d:], b[d:], conv_pool, rec_pool, meta.slot_ids[d:], meta.prompt)
+        elif groups[0].is_cuda:
+            g, beta = self._gates(a[d:], b[d:])
             o = self._mix_varlen(groups, g, beta, conv_pool, rec_pool, meta.slot_ids[d:], meta.prompt)
         else:
+            g, beta = self._gates(a[d:], b[d:])
             bounds, outs = meta.prompt.cu_seqlens_host.tolist(), []
             for r, slot in enumerate(meta.prompt.slots_host):
                 s, e = bounds[r], bounds[r + 1]
@@ -263,6 +267,17 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
         o, state = rule(l2norm(q), l2norm(k), v, g, beta, state)
         return o, conv_state, state
+
+    def _mix_prompt_rows(self, groups: tuple[torch.Tensor, ...], a: torch.Tensor, b: torch.Tensor,
+                         conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor, prompt
+                         ) -> torch.Tensor:
+        """Every prompt row at once (CUDA, key and value heads of one size): the conv from and into
+        the slots in two launches, q and k normalised there (``gdn_prompt_triton``), then fla-core's
+        chunked forward called directly, its decay computed in its first kernel (``gdn_prompt``)."""
+        q, k, v = prompt_conv(groups, self.conv1d.weight, conv_pool, slots, prompt.cu_seqlens_long, prompt.chunks,
+                              self.num_k_heads, self.head_k_dim)
+        return prompt_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, rec_pool, slots, prompt.cu_seqlens_long,
+                                 prompt.chunks)
 
     def _mix_varlen(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
                     conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor, prompt

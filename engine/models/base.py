@@ -38,6 +38,20 @@ class PromptRows:
     cu_seqlens_host: torch.Tensor  # the same, int64 on the host: kernels size their grids without a sync
     max_seqlen: int  # the longest row's new tokens
     slots_host: list[int]  # each row's state slot, on the host (the torch path loops over rows)
+    chunks: torch.Tensor  # [chunks, 2] int64 on the device: (row, chunk) of GDN_CHUNK-token chunks
+
+
+GDN_CHUNK = 64  # the Gated DeltaNet prompt kernels' chunk: fla-core's, so one table serves its kernels and ours
+
+
+def chunk_pairs(cu_seqlens: list[int], size: int = GDN_CHUNK) -> list[int]:
+    """The flat (row, chunk) pairs of rows bounded by ``cu_seqlens`` cut in ``size``-token
+    chunks: the table by which the prompt kernels' programs find their tokens."""
+    pairs = []
+    for r in range(len(cu_seqlens) - 1):
+        for c in range(-(-(cu_seqlens[r + 1] - cu_seqlens[r]) // size)):
+            pairs += (r, c)
+    return pairs
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_verify, check_moe_block, check_moe_norm_route,
-                                  check_int4_gemv, check_norm_gemv, rel_err)
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
+                                  check_moe_block, check_moe_norm_route, check_int4_gemv, check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -225,3 +225,45 @@ def test_int4_dequantize(n, k, group, with_offset, bits):
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 2048, 32)])
 def test_int8_gemv(m, n, k, group):
     check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, False, None, 2e-2, bits=8)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_gdn_prompt_conv(split):
+    check_gdn_prompt_conv("cuda", torch.bfloat16, k_heads=16, v_heads=32, head_dim=128, widths=(70, 1, 2, 2048),
+                          split=split)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_gdn_prompt_rows_match_fla_cores_own_calls(state_dtype):
+    """A layer's prompt rows through the two-launch conv and fla-core's forward called directly
+    against the same rows through fla-core's public conv and chunked rule: outputs and the
+    slots' states after them."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
+    from ninfer.engine.models.base import chunk_pairs
+
+    torch.manual_seed(3)
+    layer = GatedDeltaNet(0, 256, num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    layer = layer.cuda().bfloat16()
+    bounds = [0, 300, 301, 303, 1100]
+    t, slots = bounds[-1], torch.tensor([5, 0, 3, 7], device="cuda")
+    conv = torch.randn(8, 3, layer.conv_dim, device="cuda", dtype=torch.bfloat16)
+    rec = (torch.randn(8, 4, 128, 128, device="cuda") * 0.05).to(state_dtype)
+    qkv = torch.randn(t, layer.conv_dim + 8, device="cuda", dtype=torch.bfloat16)[:, 8:]
+    ab = torch.randn(t, 8, device="cuda", dtype=torch.bfloat16)
+    a, b = ab[:, :4], ab[:, 4:]
+    cu = torch.tensor(bounds, device="cuda")
+    prompt = SimpleNamespace(cu_seqlens_long=cu, cu_seqlens_host=torch.tensor(bounds),
+                             chunks=torch.tensor(chunk_pairs(bounds), device="cuda").view(-1, 2))
+    conv2, rec2 = conv.clone(), rec.clone()
+    with torch.inference_mode():
+        got = layer._mix_prompt_rows((qkv,), a, b, conv, rec, slots, prompt)
+        g, beta = layer._gates(a, b)
+        want = layer._mix_varlen((qkv,), g, beta, conv2, rec2, slots, prompt)
+    assert rel_err(got.float(), want.float()) < 2e-2
+    assert torch.equal(conv, conv2)
+    assert rel_err(rec.float(), rec2.float()) < 2e-2

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_verify, check_moe_block, check_moe_norm_route,
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
+                                  check_moe_block, check_moe_norm_route,
                                   check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
 
 
@@ -133,6 +134,17 @@ def test_gdn_verify(v_heads, block_v, widths):
     """Verify rows of several requests (of different lengths, one or several programs per head)."""
     check_gdn_verify("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, widths=widths,
                      block_v=block_v)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("v_heads", [2, 4])
+def test_gdn_prompt_conv(v_heads, split):
+    check_gdn_prompt_conv("cpu", torch.float32, k_heads=2, v_heads=v_heads, head_dim=16, split=split)
+
+
+def test_gdn_prompt_conv_bf16_rows_over_an_fp32_pool():
+    check_gdn_prompt_conv("cpu", torch.bfloat16, k_heads=2, v_heads=2, head_dim=16, widths=(3, 66),
+                          pool_dtype=torch.float32)
 
 
 def test_gdn_verify_tiles_from_the_launch_settings(set_launch):

@@ -197,6 +197,41 @@ def check_gdn_verify(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
         torch.testing.assert_close(rec.cpu(), rec_ref)
 
 
+def check_gdn_prompt_conv(device: str, dtype: torch.dtype, k_heads: int, v_heads: int, head_dim: int,
+                          widths: tuple[int, ...] = (70, 1, 2, 130), split: bool = False,
+                          pool_dtype: torch.dtype | None = None) -> None:
+    """The prompt rows' conv kernel (each row from its slot's conv state, q and k normalised, the
+    slots advanced past the rows) against its torch reference row by row: rows longer than a
+    chunk, and shorter than the conv's window (whose slot keeps its older inputs, shifted);
+    ``split``: the input as q, k, v views of one wider projection output, as a long run gets them."""
+    from ninfer.engine.layers.gdn_prompt import prompt_conv_reference
+    from ninfer.engine.layers.gdn_prompt_triton import prompt_conv_triton
+    from ninfer.engine.models.base import chunk_pairs
+
+    torch.manual_seed(0)
+    key_dim, value_dim, width, slots = k_heads * head_dim, v_heads * head_dim, 4, 9
+    c = 2 * key_dim + value_dim
+    weight = torch.randn(c, 1, width, device=device, dtype=dtype)
+    pool = torch.randn(slots, width - 1, c, device=device, dtype=pool_dtype or dtype)
+    slot_ids = torch.tensor([7, 2, 0, 5, 3][: len(widths)], device=device)
+    bounds = [0, *torch.tensor(widths).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, device=device)
+    wide = torch.randn(bounds[-1], c + 40, device=device, dtype=dtype)  # a wider projection's output
+    x = wide[:, 8: 8 + c]
+    groups = (x[:, :key_dim], x[:, key_dim: 2 * key_dim], x[:, 2 * key_dim:]) if split else (x,)
+    chunks = torch.tensor(chunk_pairs(bounds), device=device).view(-1, 2)
+
+    ref_pool = pool.cpu().clone()
+    want = prompt_conv_reference(tuple(g.cpu() for g in groups), weight.cpu(), ref_pool, slot_ids.cpu(), cu.cpu(),
+                                 k_heads, head_dim)
+    got = prompt_conv_triton(groups, weight, pool, slot_ids, cu, chunks, k_heads, head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and g.is_contiguous(), name
+        assert rel_err(g.float().cpu(), w.float()) < tol, (name, rel_err(g.float().cpu(), w.float()))
+    assert torch.equal(pool.cpu(), ref_pool), "the slots' conv states after the rows"
+
+
 def check_moe_block(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
                     top_k: int, inter: int, shared: int, gemv_limit: int | None = None) -> None:
     """Routing, then grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or
