@@ -20,8 +20,8 @@ Hkv, D]`` in ``exact_dtype``, and the pool row each holds, ``key_rows_at`` ``[L_
 P]``), from which a write requantizes the page (``kv_quant.ExactKeys``); the last slot takes the
 writes of rows without one (``no_write_slot``). Not pages: copies of pages leave them out.
 
-``journal`` (a list, or None): where page copies are noted, for the tensor-parallel ranks to
-make the same in their own pages (``tp_steps.py``).
+``journal`` (a list, or None): where page copies and cleared write slots are noted, for the
+tensor-parallel ranks to make the same in their own pools (``tp_steps.py``).
 """
 from __future__ import annotations
 

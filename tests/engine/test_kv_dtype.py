@@ -301,6 +301,46 @@ def test_the_server_flag_reaches_the_engine(capsys):
         assert why in capsys.readouterr().err
 
 
+@torch.no_grad()
+def test_4bit_key_pages_decoded_a_token_a_step_end_as_written_by_a_prompt(parts):
+    """Two sequences decoded side by side a token a step (each a write slot) leave the first
+    attention layer's full key pages (keys the KV cache does not change) with the codes and ranges
+    their tokens written as one prompt give; a pool without write slots rounds the early rows again."""
+    from ninfer.engine.cache.manager import CacheManager
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+    from ninfer.engine.step import build_step
+
+    model, _ = parts
+    page, n = 8, 3 * 8 + 5
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for _ in range(2)]
+
+    def keys_after(chunk: int, write_slots: int | None = None):
+        caches = CacheManager(model.config, 16, page, 2, torch.float32, "cpu", kv_dtype=torch.uint8,
+                              write_slots=write_slots)
+        reqs = [Request(str(i), p, SamplingParams(), max_total_tokens=n + 1) for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.cache = caches.open()
+        for at in range(0, n, chunk):
+            step = min(chunk, n - at)
+            for r in reqs:
+                assert caches.reserve(r.cache, at + step)
+            run_step = build_step([(r, step) for r in reqs], caches, torch.device("cpu"))
+            model(run_step.input_ids, run_step.batch)
+            for r in reqs:
+                r.num_computed += step
+        full = [p for r in reqs for p in r.cache.pages[: n // page]]
+        keys, ranges = caches.kv.layer(0)[0], caches.kv.layer(0)[2]
+        return keys[full], ranges[full]
+
+    whole = keys_after(n)
+    stepped = keys_after(1)
+    assert torch.equal(stepped[0], whole[0]) and torch.equal(stepped[1], whole[1])
+    rounded = keys_after(1, write_slots=0)
+    assert not (torch.equal(rounded[0], whole[0]) and torch.equal(rounded[1], whole[1]))
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "4bit"])
 def test_speculated_steps_over_one_byte_pages_give_the_tokens_of_one_token_steps(kv_dtype, tmp_path_factory):
     """``--spec ngram`` verify rows read and write one-byte pages as decode rows do: a rejected
