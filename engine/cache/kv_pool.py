@@ -83,6 +83,14 @@ class PagedKVPool:
             per_page += num_attn_layers * num_kv_heads * head_dim * 2 * KEY_STATS_DTYPE.itemsize
         return per_page
 
+    @staticmethod
+    def bytes_per_write_slot(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, exact_dtype: torch.dtype) -> int:
+        """Bytes of one write slot (the exact keys of a page and their rows) for pages of ``dtype``."""
+        if not is_packed(dtype):
+            return 0
+        return num_attn_layers * page_size * (num_kv_heads * head_dim * exact_dtype.itemsize + 8)
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a page's data lives in (pages on dim 1): K, V and, quantized, their scales."""
