@@ -45,7 +45,8 @@ Measured on the embedded SmolLM2 (``D = 64``, pages of 16, 4096 tokens, ``bench/
 keys per channel over a page +1.3% perplexity alone (+1.5% with the fp16 step and minimum,
 +1.8% written a token at a time), against +9.7% for groups of 32 along the rotated head and
 +6.2% for asymmetric groups of 16; values per row as above cost nothing measurable; keys and
-values through the paged steps +1.85% (the first version, groups of 32 of rotated keys: +11.7%). A row costs
+values through the paged steps +1.85% in prompt chunks, +1.66% a token a step from the exact
+rows (+3.55% from the dequantized ones; the first version, groups of 32 of rotated keys: +11.7%). A row costs
 ``D / 2`` bytes of codes, plus ``4 D / P`` bytes of key ranges a key row and 4 bytes a value
 group: 88 bytes per token and KV head at ``D = 64``, ``P = 16`` (5.5 bits an element), against
 bf16's 256.
