@@ -5,7 +5,7 @@ decodes its next token is run as ``width`` decode rows per request (``step.build
 a verify row the same way), the rows past a request's own positions only filling its width: the
 same shape each time for a given number of requests, so it is captured as decode steps are
 (``cuda_graphs.py``). All inputs live
-in one static device buffer: per row its token id, position, KV write row and state slot (int64)
+in one static device buffer: per row its token id, position, KV write row, state slot and KV write slot (int64)
 and its context length (int32); per request its state slot and row bounds (int64, for the Gated
 DeltaNet verify kernel, ``layers/gdn_verify.py``) and its block table (int32), which the graph
 widens to a table per row. A step writes the real requests in, pads the rest of the bucket with
@@ -23,6 +23,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
+from .cuda_graphs import WIDE_ROWS, no_write_slot
 from .models.base import CausalLM, ForwardBatch, StepMeta, VerifyRows
 from .request import Request
 from .runner import sampled_logits
@@ -36,14 +37,14 @@ def _aligned16(offset: int) -> int:
 
 class _Layout:
     """Where each input sits in the buffer of ``n`` requests of ``width`` rows (bytes): the int64
-    rows (token ids, positions, KV write rows, row slots), the requests' slots and row bounds, then
+    rows (token ids, positions, KV write rows, row slots, KV write slots), the requests' slots and row bounds, then
     the int32 context lengths and the requests' block tables (last, so a bucket sends its own)."""
 
     def __init__(self, n: int, width: int, max_pages: int) -> None:
         self.n, self.width, self.max_pages = n, width, max_pages
         self.rows = rows = n * width
         up = _aligned16  # each part starts 16-byte aligned: Triton specializes a kernel on it
-        self.slots = up(4 * rows * 8)
+        self.slots = up(WIDE_ROWS * rows * 8)
         self.cu = up(self.slots + n * 8)
         self.lens = up(self.cu + (n + 1) * 8)
         self.tables = up(self.lens + rows * 4)
@@ -53,8 +54,8 @@ class _Layout:
         return self.tables + b * self.max_pages * 4
 
     def views(self, buf: torch.Tensor):
-        """``(wide [4, rows], slots [n], cu_seqlens [n + 1], lens [rows], tables [n, max_pages])``."""
-        return (buf[: 4 * self.rows * 8].view(torch.long).view(4, self.rows),
+        """``(wide [WIDE_ROWS, rows], slots [n], cu_seqlens [n + 1], lens [rows], tables [n, max_pages])``."""
+        return (buf[: WIDE_ROWS * self.rows * 8].view(torch.long).view(WIDE_ROWS, self.rows),
                 buf[self.slots : self.slots + self.n * 8].view(torch.long),
                 buf[self.cu : self.cu + (self.n + 1) * 8].view(torch.long),
                 buf[self.lens : self.lens + self.rows * 4].view(torch.int32),
@@ -65,7 +66,7 @@ class _Stage:
     """Pinned host bytes laid out as the device buffer, written per step and sent in one copy;
     a block table row is rewritten only when its request or page count changed."""
 
-    def __init__(self, layout: _Layout, pad: tuple[int, int, int]) -> None:
+    def __init__(self, layout: _Layout, pad: tuple[int, int, int, int]) -> None:
         self.layout, self.pad = layout, pad
         self.bytes = torch.zeros(layout.end(layout.n), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.wide, self.slots, self.cu, self.lens, self.tables = layout.views(self.bytes)
@@ -75,10 +76,11 @@ class _Stage:
         self.used = 0  # requests written by the last fill (the rest hold padding)
 
     def _pad(self, start: int, stop: int) -> None:
-        """Requests ``[start, stop)`` as padding: the reserved page and slot, context length 1."""
-        page, write, slot = self.pad
+        """Requests ``[start, stop)`` as padding: the reserved page and slot, no KV write slot,
+        context length 1."""
+        page, write, slot, kv_slot = self.pad
         w = self.layout.width
-        self.wide[:, start * w : stop * w] = torch.tensor([0, 0, write, slot]).unsqueeze(1)
+        self.wide[:, start * w : stop * w] = torch.tensor([0, 0, write, slot, kv_slot]).unsqueeze(1)
         self.slots[start:stop] = slot
         self.lens[start * w : stop * w] = 1
         self.tables[start:stop] = page
@@ -90,8 +92,8 @@ class _Stage:
         w, n = self.layout.width, len(plan)
         if n < self.used:
             self._pad(n, self.used)
-        pad_write = self.pad[1]
-        ids, pos, writes, row_slots, lens, slots = [], [], [], [], [], []
+        pad_write, pad_kv = self.pad[1], self.pad[3]
+        ids, pos, writes, row_slots, kv_slots, lens, slots = [], [], [], [], [], [], []
         for i, (req, k) in enumerate(plan):
             cache, start = req.cache, req.num_computed
             slot = cache.slot if cache.slot is not None else self.pad[2]
@@ -101,6 +103,7 @@ class _Stage:
                 pos.append(p)
                 writes.append(pool_row(cache.pages, p, page_size))
                 lens.append(p + 1)
+            kv_slots += [cache.kv_slot if cache.kv_slot is not None else pad_kv] * k + [pad_kv] * (w - k)
             ids += [0] * (w - k)
             pos += [start] * (w - k)
             writes += [pad_write] * (w - k)
@@ -111,7 +114,7 @@ class _Stage:
                 row = cache.pages + [self.pad[0]] * (self.layout.max_pages - len(cache.pages))
                 self.tables[i] = torch.tensor(row, dtype=torch.int32)
                 self.keys[i] = (cache, len(cache.pages))
-        self.wide[:, : n * w] = torch.tensor([ids, pos, writes, row_slots], dtype=torch.long)
+        self.wide[:, : n * w] = torch.tensor([ids, pos, writes, row_slots, kv_slots], dtype=torch.long)
         self.slots[:n] = torch.tensor(slots, dtype=torch.long)
         self.lens[: n * w] = torch.tensor(lens, dtype=torch.int32)
         self.used = n
@@ -130,12 +133,12 @@ class CudaGraphVerifier:
         self.buffers = buffers  # the runner's verify buffers (None: no recurrent layers)
         page, slot = caches.reserve_padding()
         page = max(page, 0)
-        pad = (page, page * caches.page_size, max(slot, 0))
+        pad = (page, page * caches.page_size, max(slot, 0), no_write_slot(caches))
         self._stages = [_Stage(self.layout, pad) for _ in range(2)]  # used in turn, as the decoder's
         self._turn = 0
         self.inputs = torch.zeros(self.layout.end(self.layout.n), dtype=torch.uint8, device=device)
         wide, self.slots, self.cu, self.lens, self.tables = self.layout.views(self.inputs)
-        self.input_ids, self.positions, self.write_index, self.row_slots = wide.unbind(0)
+        self.input_ids, self.positions, self.write_index, self.row_slots, self.kv_slots = wide.unbind(0)
         self.inputs.copy_(self._stages[0].bytes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps run from a graph (the benchmark reports them)
@@ -151,7 +154,7 @@ class CudaGraphVerifier:
         meta = StepMeta(kv=self.caches.kv, states=self.caches.states, attn_ordinal=self.caches.attn_ordinal,
                         gdn_ordinal=self.caches.gdn_ordinal, block_tables=tables, context_lens=self.lens[:rows],
                         write_index=self.write_index[:rows], slot_ids=self.row_slots[:rows], num_decode=rows,
-                        verify=verify)
+                        verify=verify, kv_slots=self.kv_slots[:rows])
         batch = ForwardBatch(positions=self.positions[:rows], seq_lens=[1] * rows, caches=[], step=meta)
         return sampled_logits(self.model, self.model(self.input_ids[:rows], batch), self.vocab)
 

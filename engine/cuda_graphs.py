@@ -1,7 +1,7 @@
 """Decode steps captured in CUDA graphs, one graph per batch-size bucket.
 
 All inputs of a captured step live in one static device buffer (token ids, positions, KV write
-rows, state slots, context lengths, block tables); a step copies the real rows in with one copy,
+rows, state slots, KV write slots, context lengths, block tables); a step copies the real rows in with one copy,
 pads the rest of the bucket with a reserved padding page and slot, replays the graph, and reads
 the logits. The graph ends with the greedy tokens (the logits' argmax) written over its own input
 ids, so a greedy decode step that follows with the same rows needs no token copy at all
@@ -28,31 +28,38 @@ from .runner import sampled_logits
 log = logging.getLogger("ninfer.engine")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+WIDE_ROWS = 5  # int64 inputs per row: token id, position, KV write row, state slot, KV write slot
 
 
 def _layout(n: int, max_pages: int) -> tuple[int, int]:
-    """Bytes of the int64 rows (token ids, positions, KV write rows, state slots) and of the whole
-    input buffer (then the int32 context lengths and block tables) for ``n`` rows."""
-    wide = 4 * n * 8
+    """Bytes of the int64 rows (token ids, positions, KV write rows, state slots, KV write slots)
+    and of the whole input buffer (then the int32 context lengths and block tables) for ``n`` rows."""
+    wide = WIDE_ROWS * n * 8
     return wide, wide + (n + n * max_pages) * 4
 
 
 def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``[4, n]`` int64 rows, the int32 lengths + tables, and the tables ``[n, max_pages]``
+    """The ``[WIDE_ROWS, n]`` int64 rows, the int32 lengths + tables, and the tables ``[n, max_pages]``
     of an input buffer (bytes)."""
     wide, _ = _layout(n, max_pages)
     narrow = buf[wide:].view(torch.int32)
-    return buf[:wide].view(torch.long).view(4, n), narrow, narrow[n:].view(n, max_pages)
+    return buf[:wide].view(torch.long).view(WIDE_ROWS, n), narrow, narrow[n:].view(n, max_pages)
+
+
+def no_write_slot(caches: CacheManager) -> int:
+    """The KV write slot of padding rows (one no write reads)."""
+    return caches.kv.no_write_slot if caches.kv is not None else 0
 
 
 class _Stage:
     """Pinned host copies of the static inputs, written row by row and sent in one copy.
 
-    ``wide`` holds four int64 rows (token ids, positions, KV write rows, state slots), ``narrow``
+    ``wide`` holds five int64 rows (token ids, positions, KV write rows, state slots, KV write
+    slots), ``narrow``
     the int32 context lengths followed by the block tables; both are views of ``bytes``, laid out
     as the device buffer is, so a step's inputs go over in one copy."""
 
-    def __init__(self, n: int, max_pages: int, pad: tuple[int, int, int]) -> None:
+    def __init__(self, n: int, max_pages: int, pad: tuple[int, int, int, int]) -> None:
         self.n, self.max_pages, self.pad = n, max_pages, pad
         pin = torch.cuda.is_available()  # pinned, so the copies are truly asynchronous
         self.bytes = torch.zeros(_layout(n, max_pages)[1], dtype=torch.uint8, pin_memory=pin)
@@ -62,11 +69,11 @@ class _Stage:
         self.clear(0)
 
     def clear(self, start: int) -> None:
-        """Padding rows from ``start`` on: the reserved page and slot, context length 1."""
+        """Padding rows from ``start`` on: the reserved page and slot, no KV write slot, context length 1."""
         if start >= self.rows:
             return
-        page, write, slot = self.pad
-        self.wide[:, start:] = torch.tensor([0, 0, write, slot]).unsqueeze(1)
+        page, write, slot, kv_slot = self.pad
+        self.wide[:, start:] = torch.tensor([0, 0, write, slot, kv_slot]).unsqueeze(1)
         self.narrow[start:self.n] = 1
         self.tables[start:] = page
         self.keys[start:] = [None] * (self.n - start)
@@ -75,20 +82,21 @@ class _Stage:
     def fill(self, reqs: list[Request], page_size: int) -> None:
         n = len(reqs)
         self.clear(n)
-        ids, pos, writes, slots, lens = [], [], [], [], []
+        ids, pos, writes, slots, kv_slots, lens = [], [], [], [], [], []
         for i, req in enumerate(reqs):
             cache, p = req.cache, req.num_computed
             ids.append(req.token_at(req.num_computed) if req.num_computed < req.num_tokens else 0)
             pos.append(req.num_computed)
             writes.append(pool_row(cache.pages, p, page_size))
             slots.append(cache.slot if cache.slot is not None else 0)
+            kv_slots.append(cache.kv_slot if cache.kv_slot is not None else self.pad[3])
             lens.append(p + 1)
             key = self.keys[i]
             if key is None or key[0] is not cache or key[1] != len(cache.pages):
                 row = cache.pages + [self.pad[0]] * (self.max_pages - len(cache.pages))
                 self.tables[i] = torch.tensor(row, dtype=torch.int32)
                 self.keys[i] = (cache, len(cache.pages))
-        self.wide[:, :n] = torch.tensor([ids, pos, writes, slots], dtype=torch.long)
+        self.wide[:, :n] = torch.tensor([ids, pos, writes, slots, kv_slots], dtype=torch.long)
         self.narrow[:n] = torch.tensor(lens, dtype=torch.int32)
         self.rows = max(self.rows, n)
 
@@ -128,10 +136,10 @@ class CudaGraphDecoder:
         n = self.max_batch = max_batch
         self.inputs = torch.zeros(_layout(n, self.max_pages)[1], dtype=torch.uint8, device=device)
         self.wide, self.narrow, self.block_tables = _views(self.inputs, n, self.max_pages)
-        self.input_ids, self.positions, self.write_index, self.slot_ids = self.wide.unbind(0)
+        self.input_ids, self.positions, self.write_index, self.slot_ids, self.kv_slots = self.wide.unbind(0)
         self.context_lens = self.narrow[:n]
         page = max(self.pad_page, 0)
-        pad = (page, page * caches.page_size, max(self.pad_slot, 0))
+        pad = (page, page * caches.page_size, max(self.pad_slot, 0), no_write_slot(caches))
         # two stages used in turn: a stage is rewritten only after the step that read it has run
         self._stages = [_Stage(n, self.max_pages, pad) for _ in range(2)]
         self._turn = 0
@@ -164,6 +172,7 @@ class CudaGraphDecoder:
             kv=self.caches.kv, states=self.caches.states, attn_ordinal=self.caches.attn_ordinal,
             gdn_ordinal=self.caches.gdn_ordinal, block_tables=self.block_tables[:b],
             context_lens=self.context_lens[:b], write_index=self.write_index[:b], slot_ids=self.slot_ids[:b],
+            kv_slots=self.kv_slots[:b],
         )
         return ForwardBatch(positions=self.positions[:b], seq_lens=[1] * b, caches=[], step=meta)
 

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from .cache.kv_pool import PagedKVPool
 from .cache.manager import kv_bytes_per_token, state_shapes
 from .cache.state_pool import StateSlotPool
 from .config import ModelConfig
@@ -56,11 +57,14 @@ def moving_slots(config: EngineConfig, checkpoints: int) -> int:
 
 def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:
     """Tokens of KV that free memory holds beside the state slots (sequences', checkpoints' and
-    their copies' in flight), up to what the running requests and the prefix checkpoints can use:
+    their copies' in flight) and the write slots of 4-bit keys, up to what the running requests and the prefix checkpoints can use:
     a checkpoint holds the pages of its prefix, so a pool sized for the running requests alone
     would move every finished prompt's pages to host memory as the next prompt arrives, on that
     prompt's time."""
     slots = (config.max_concurrency + checkpoints + moving_slots(config, checkpoints)) * _slot_bytes(model, config)
+    n_attn = sum(t == "full_attention" for t in model.layer_types)
+    slots += (config.max_concurrency + 2) * PagedKVPool.bytes_per_write_slot(  # 4-bit keys' write slots
+        n_attn, config.page_size, model.num_key_value_heads, model.head_dim, config.kv_storage_dtype, config.dtype)
     budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
     wanted = (config.max_concurrency + checkpoints) * config.max_context
     return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size), wanted)

@@ -34,6 +34,7 @@ class StepMessage:
     context_lens: torch.Tensor
     write_index: torch.Tensor
     slot_ids: torch.Tensor
+    kv_slots: torch.Tensor | None
     num_decode: int
     cu_seqlens: torch.Tensor | None  # the prompt rows' (int64), None without any
     max_seqlen: int
@@ -48,6 +49,7 @@ class PoolPlan:
     num_pages: int
     page_size: int
     num_slots: int
+    write_slots: int = 0  # the KV pool's (exact 4-bit keys)
 
 
 class Leader:
@@ -60,7 +62,8 @@ class Leader:
             if pool is not None:
                 pool.journal = self.journal
         self.tp.broadcast(PoolPlan(caches.kv.num_pages if caches.kv is not None else 0, caches.page_size,
-                                   caches.states.num_slots if caches.states is not None else 0))
+                                   caches.states.num_slots if caches.states is not None else 0,
+                                   caches.kv.write_slots if caches.kv is not None else 0))
 
     def send(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_index: Any) -> None:
         meta, prompt = batch.step, batch.step.prompt
@@ -69,7 +72,8 @@ class Leader:
         self.tp.broadcast(StepMessage(
             ops=ops, input_ids=host(input_ids), positions=host(batch.positions), seq_lens=list(batch.seq_lens),
             block_tables=host(meta.block_tables), context_lens=host(meta.context_lens),
-            write_index=host(meta.write_index), slot_ids=host(meta.slot_ids), num_decode=meta.num_decode,
+            write_index=host(meta.write_index), slot_ids=host(meta.slot_ids),
+            kv_slots=None if meta.kv_slots is None else host(meta.kv_slots), num_decode=meta.num_decode,
             cu_seqlens=None if prompt is None else prompt.cu_seqlens_host.clone(),
             max_seqlen=0 if prompt is None else prompt.max_seqlen,
             slots_host=[] if prompt is None else list(prompt.slots_host),
@@ -111,6 +115,8 @@ def replay(ops: list[tuple], caches: CacheManager) -> None:
             caches.states.copy(*at)
         elif kind == "copy_page":
             caches.kv.copy_page(*at)
+        elif kind == "clear_write_slot":
+            caches.kv.clear_write_slot(*at)
         else:
             raise ValueError(f"unknown pool operation {kind!r}")
 
@@ -129,7 +135,8 @@ def rebuild(msg: StepMessage, caches: CacheManager, device: torch.device) -> tup
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=dev(msg.block_tables),
                     context_lens=dev(msg.context_lens), write_index=dev(msg.write_index), slot_ids=dev(msg.slot_ids),
-                    num_decode=msg.num_decode, prompt=prompt)
+                    num_decode=msg.num_decode, prompt=prompt,
+                    kv_slots=None if msg.kv_slots is None else dev(msg.kv_slots))
     batch = ForwardBatch(positions=dev(msg.positions), seq_lens=msg.seq_lens, caches=[None] * len(msg.seq_lens),
                          step=meta)
     return dev(msg.input_ids), batch

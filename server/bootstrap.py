@@ -257,7 +257,8 @@ def serve_rank(args: argparse.Namespace, rendezvous: parallel.Rendezvous) -> Non
 
     def caches(plan) -> CacheManager:
         return CacheManager(model.config, max(plan.num_pages, 1), plan.page_size, plan.num_slots, config.dtype,
-                            config.device, kv_dtype=config.kv_storage_dtype, state_dtype=config.state_storage_dtype)
+                            config.device, kv_dtype=config.kv_storage_dtype, state_dtype=config.state_storage_dtype,
+                            write_slots=plan.write_slots)
 
     follow(model, caches)
     parallel.leave()

@@ -14,14 +14,20 @@ copy of pages (``copy_page``, the host tier) copies. 4-bit pages (``--kv-dtype 4
 ``k_scales[a]`` ``[num_pages, 2, Hkv, D]`` (fp16 steps and minimums), the values' scales per
 group of the head dim, ``v_scales[a]`` ``[num_pages, P, Hkv, D / 32]``.
 
-``journal`` (a list, or None): where page copies are noted, for the tensor-parallel ranks to
-make the same in their own pages (``tp_steps.py``).
+With 4-bit pages and ``write_slots``, each running sequence may hold a write slot: the keys of
+the page it is filling as computed, per attention layer (``key_rows`` ``[L_attn, slots + 1, P,
+Hkv, D]`` in ``exact_dtype``, and the pool row each holds, ``key_rows_at`` ``[L_attn, slots + 1,
+P]``), from which a write requantizes the page (``kv_quant.ExactKeys``); the last slot takes the
+writes of rows without one (``no_write_slot``). Not pages: copies of pages leave them out.
+
+``journal`` (a list, or None): where page copies and cleared write slots are noted, for the
+tensor-parallel ranks to make the same in their own pools (``tp_steps.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from .kv_quant import KEY_STATS_DTYPE, SCALE_DTYPE, is_packed, key_stats_shape, page_shapes
+from .kv_quant import KEY_STATS_DTYPE, SCALE_DTYPE, ExactKeys, is_packed, key_stats_shape, page_shapes
 
 
 class OutOfPagesError(RuntimeError):
@@ -35,7 +41,8 @@ def pool_row(table: list[int], pos: int, page_size: int) -> int:
 
 class PagedKVPool:
     def __init__(self, num_attn_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, write_slots: int = 0,
+                 exact_dtype: torch.dtype = torch.float32) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"KV pool needs >= 1 page of >= 1 token, got {num_pages} x {page_size}")
         self.num_pages = num_pages
@@ -52,6 +59,13 @@ class PagedKVPool:
             else:
                 k_shape, k_dtype = rows + scales, SCALE_DTYPE
             self.k_scales = torch.zeros(k_shape, dtype=k_dtype, device=device)
+        self.key_rows = self.key_rows_at = None
+        self.write_slots = write_slots if is_packed(dtype) else 0
+        if self.write_slots:
+            slots = (num_attn_layers, self.write_slots + 1, page_size)
+            self.key_rows = torch.zeros(slots + (num_kv_heads, head_dim), dtype=exact_dtype, device=device)
+            self.key_rows_at = torch.full(slots, -1, dtype=torch.long, device=device)
+        self._free_write_slots: list[int] = list(range(self.write_slots - 1, -1, -1))
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders = [0] * num_pages
         self.journal: list[tuple] | None = None
@@ -69,6 +83,14 @@ class PagedKVPool:
             per_page += num_attn_layers * num_kv_heads * head_dim * 2 * KEY_STATS_DTYPE.itemsize
         return per_page
 
+    @staticmethod
+    def bytes_per_write_slot(num_attn_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, exact_dtype: torch.dtype) -> int:
+        """Bytes of one write slot (the exact keys of a page and their rows) for pages of ``dtype``."""
+        if not is_packed(dtype):
+            return 0
+        return num_attn_layers * page_size * (num_kv_heads * head_dim * exact_dtype.itemsize + 8)
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a page's data lives in (pages on dim 1): K, V and, quantized, their scales."""
@@ -84,6 +106,35 @@ class PagedKVPool:
         if self.k_scales is None:
             return self.keys[a], self.values[a], None, None
         return self.keys[a], self.values[a], self.k_scales[a], self.v_scales[a]
+
+    @property
+    def no_write_slot(self) -> int:
+        """The slot of rows written without one (read by no write)."""
+        return self.write_slots
+
+    def take_write_slot(self) -> int | None:
+        """A write slot for a sequence (its exact rows forgotten), or None where none is free."""
+        if not self._free_write_slots:
+            return None
+        slot = self._free_write_slots.pop()
+        self.clear_write_slot(slot)
+        return slot
+
+    def clear_write_slot(self, slot: int) -> None:
+        """Forget write slot ``slot``'s rows (queued on the device)."""
+        self.key_rows_at[:, slot] = -1
+        if self.journal is not None:
+            self.journal.append(("clear_write_slot", slot))
+
+    def give_write_slot(self, slot: int) -> None:
+        self._free_write_slots.append(slot)
+
+    def exact_keys(self, a: int, slots: torch.Tensor | None) -> ExactKeys | None:
+        """Attention layer ordinal ``a``'s exact keys for rows of write slots ``slots`` (None
+        where the pool keeps none or the step names no slots)."""
+        if self.key_rows is None or slots is None:
+            return None
+        return ExactKeys(self.key_rows[a], self.key_rows_at[a], slots)
 
     @property
     def num_free(self) -> int:

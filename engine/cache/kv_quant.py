@@ -31,9 +31,12 @@ Hkv, D]``: steps, then minimums), and a key's code ``c`` in ``0 .. 15`` stands f
 step`` over the page's rows. A key's few outlier channels (RoPE's low frequencies, attention
 sinks) keep their size from token to token, so a range per channel fits them and the other
 channels alike, where a range per row is set by the outliers and rounds the rest coarsely. A
-write requantizes each page it touches over the page's rows so far (the earlier ones
-dequantized, the new ones as computed): where the range grows the earlier rows are rounded again
-to the wider grid, where it does not they keep their codes. Keys are not rotated. Values: each
+write requantizes each page it touches over the page's rows so far. The earlier rows come from
+the pool's exact copy of the page being filled where it has them (``ExactKeys``: per write slot,
+the last page's keys as computed), so a page written a row at a time ends with the codes and
+ranges a write of the whole page gives; where it has not (a page copied from a prefix checkpoint
+or brought back from host memory, a sequence without a write slot) they are its rows
+dequantized, rounded again to the wider grid where the range grows. Keys are not rotated. Values: each
 group of ``KV4_GROUP`` (32) elements along the head dim has an fp32 scale ``amax(|group|) / 7.5``
 (``[..., D / 32]`` beside the pages) and a code ``c`` stands for ``(c - 7.5) * scale``, the
 midpoints of 16 equal cells over ``[-amax, amax]``.
@@ -42,12 +45,15 @@ Measured on the embedded SmolLM2 (``D = 64``, pages of 16, 4096 tokens, ``bench/
 keys per channel over a page +1.3% perplexity alone (+1.5% with the fp16 step and minimum,
 +1.8% written a token at a time), against +9.7% for groups of 32 along the rotated head and
 +6.2% for asymmetric groups of 16; values per row as above cost nothing measurable; keys and
-values through the paged steps +1.85% (the first version, groups of 32 of rotated keys: +11.7%). A row costs
+values through the paged steps +1.85% in prompt chunks, +1.66% a token a step from the exact
+rows (+3.55% from the dequantized ones; the first version, groups of 32 of rotated keys: +11.7%). A row costs
 ``D / 2`` bytes of codes, plus ``4 D / P`` bytes of key ranges a key row and 4 bytes a value
 group: 88 bytes per token and KV head at ``D = 64``, ``P = 16`` (5.5 bits an element), against
 bf16's 256.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -168,17 +174,32 @@ def _key_ranges(rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
 KEYS_PER_WRITE = 256  # rows requantized at a time (each takes a copy of its page in fp32)
 
 
-def write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+class ExactKeys(NamedTuple):
+    """A layer's exact keys of the pages being filled: write slot ``s`` (one per running sequence)
+    holds in ``rows[s]`` ``[P, Hkv, D]`` (the compute dtype) the keys last written to the pool
+    rows ``at[s]`` ``[P]`` (``page * P + offset``, -1: none), at their offsets. The last slot takes
+    the writes of rows without one and is never read. ``slots`` ``[n]``: each written row's slot."""
+
+    rows: torch.Tensor  # [S + 1, P, Hkv, D]
+    at: torch.Tensor  # [S + 1, P] int64
+    slots: torch.Tensor  # [n] int64
+
+
+def write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+                exact: ExactKeys | None = None) -> None:
     """Write keys ``k`` ``[n, Hkv, D]`` to flat pool rows ``index`` (``page * P + offset``) of 4-bit
     key pages ``[num_pages, P, Hkv, D / 2]`` with ranges ``stats`` ``[num_pages, 2, Hkv, D]``,
-    requantizing each page touched over its rows up to the last one written. The rows of one page
-    are adjacent in ``index``, in order (a sequence's tokens); no host sync, so a CUDA graph can
-    hold it."""
+    requantizing each page touched over its rows up to the last one written: the earlier rows
+    from ``exact`` where it holds them (then kept there with the new ones), else dequantized. The
+    rows of one page are adjacent in ``index``, in order (a sequence's tokens); no host sync, so a
+    CUDA graph can hold it."""
     for at in range(0, index.shape[0], KEYS_PER_WRITE):
-        _write_keys4(pages, stats, index[at : at + KEYS_PER_WRITE], k[at : at + KEYS_PER_WRITE])
+        part = None if exact is None else exact._replace(slots=exact.slots[at : at + KEYS_PER_WRITE])
+        _write_keys4(pages, stats, index[at : at + KEYS_PER_WRITE], k[at : at + KEYS_PER_WRITE], part)
 
 
-def _write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+def _write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+                 exact: ExactKeys | None) -> None:
     n, p = index.shape[0], pages.shape[1]
     page, offset = index // p, index % p
     at = torch.arange(n, device=index.device)
@@ -186,12 +207,34 @@ def _write_keys4(pages: torch.Tensor, stats: torch.Tensor, index: torch.Tensor, 
     first[1:] = page[1:] != page[:-1]
     group = torch.cummax(torch.where(first, at, 0), 0).values  # each row's page's first row here
     rows = dequantize_keys4(pages[page], stats[page], torch.float32)  # [n, P, Hkv, D]
+    if exact is not None:  # the page's earlier rows as computed, where the row's slot holds them
+        unread = exact.rows.shape[0] - 1
+        pool_rows = page[:, None] * p + torch.arange(p, device=index.device)
+        held = (exact.at[exact.slots] == pool_rows) & (exact.slots < unread)[:, None]
+        rows = torch.where(held[:, :, None, None], exact.rows[exact.slots].float(), rows)
     rows[group, offset] = k.float()  # the page's new rows into its first row's copy
     last = torch.zeros(n, dtype=offset.dtype, device=index.device).scatter_reduce(0, group, offset, "amax")
     rows, last = rows[group], last[group]  # every row of a page: its page as the first row holds it
     codes, ranges = quantize_keys4(rows, torch.arange(p, device=index.device)[None, :] <= last[:, None])
     pages.index_copy_(0, page, codes)  # the rows of a page write the same
     stats.index_copy_(0, page, ranges)
+    if exact is not None:
+        _keep_exact(exact, index, offset, k)
+
+
+def _keep_exact(exact: ExactKeys, index: torch.Tensor, offset: torch.Tensor, k: torch.Tensor) -> None:
+    """The written rows into their slots' exact copies: of the rows of one slot that share an
+    offset (a write longer than a page) the last, the page still being filled; the others go to
+    the unread slot."""
+    p = exact.at.shape[1]
+    n = index.shape[0]
+    at = torch.arange(n, device=index.device)
+    place = exact.slots * p + offset
+    latest = torch.full((exact.at.numel(),), -1, dtype=at.dtype, device=index.device)
+    latest = latest.scatter_reduce(0, place, at, "amax")
+    place = torch.where(latest[place] == at, place, (exact.rows.shape[0] - 1) * p)
+    exact.rows.view(-1, *k.shape[1:]).index_copy_(0, place, k.to(exact.rows.dtype))
+    exact.at.view(-1).index_copy_(0, place, index)
 
 
 def quantize_keys4(rows: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,17 +23,20 @@ class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
                  checkpoints: int = 0, moving_slots: int = 0, kv_dtype: torch.dtype | None = None,
-                 state_dtype: torch.dtype = torch.float32) -> None:
+                 state_dtype: torch.dtype = torch.float32, write_slots: int | None = None) -> None:
         """``num_slots`` state slots for sequences, ``checkpoints`` more for prefix checkpoints
         (at most that many are kept; ``prefix`` is None without any) and ``moving_slots`` more for
         checkpoints' copies to host in flight. KV pages hold ``kv_dtype`` (``dtype`` when None;
         fp8 / int8 with per-row scales, 4-bit with per-group ones, ``kv_quant.py``); the conv states
-        ``dtype``, the recurrent states ``state_dtype``."""
+        ``dtype``, the recurrent states ``state_dtype``. 4-bit pools keep the exact keys of the
+        page each sequence is filling in ``write_slots`` write slots of ``dtype`` (``num_slots``
+        when None; a sequence opened past them writes from the rounded rows)."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         self.kv = PagedKVPool(len(self.attn_ordinal), num_pages, page_size, config.num_key_value_heads,
-                              config.head_dim, kv_dtype or dtype, device) if self.attn_ordinal else None
+                              config.head_dim, kv_dtype or dtype, device,
+                              num_slots if write_slots is None else write_slots, dtype) if self.attn_ordinal else None
         self.states = StateSlotPool(len(self.gdn_ordinal), num_slots + checkpoints + moving_slots,
                                     *state_shapes(config), dtype, device, state_dtype) if self.gdn_ordinal else None
         self.host_cache_bytes = host_cache_bytes  # for snapshots and host checkpoints together
@@ -124,6 +127,8 @@ class CacheManager:
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> PagedSequenceCache:
         cache = PagedSequenceCache(self.kv, self.states)
+        if self.kv is not None:
+            cache.kv_slot = self.kv.take_write_slot()
         if self.states is not None:
             if self.prefix is not None:
                 self.prefix.want(slots=1)  # a checkpoint's copy to host may still hold one
@@ -203,6 +208,9 @@ class CacheManager:
             return
         if self.kv is not None and cache.pages:
             self.kv.release(cache.pages)
+        if self.kv is not None and cache.kv_slot is not None:
+            self.kv.give_write_slot(cache.kv_slot)
+            cache.kv_slot = None
         if self.states is not None and cache.slot is not None:
             self.states.release(cache.slot)
             cache.slot = None

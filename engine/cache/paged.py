@@ -15,6 +15,7 @@ class PagedSequenceCache:
         self.states = states
         self.pages: list[int] = []  # block table
         self.slot: int | None = None  # how far it is filled is the request's one cursor, ``num_computed``
+        self.kv_slot: int | None = None  # its write slot in the KV pool (exact 4-bit keys), if any
 
     @property
     def capacity(self) -> int:

@@ -168,7 +168,8 @@ class Attention(NormFusedInput, nn.Module):
         prompt kernel, both reading K/V in place; ``[N, H, D]`` with the output gate applied. With
         Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
         path is its reference."""
-        k_pages, v_pages, k_scale, v_scale = meta.kv.layer(meta.attn_ordinal[self.layer_idx])
+        ordinal = meta.attn_ordinal[self.layer_idx]
+        k_pages, v_pages, k_scale, v_scale = meta.kv.layer(ordinal)
         if on_triton(q) and k_scale is None and positions.dim() == 1:  # three-axis positions: the torch path
             gate = self._gate(q)
             q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
@@ -177,7 +178,7 @@ class Attention(NormFusedInput, nn.Module):
             hkv, hd = self.num_kv_heads, self.head_dim
             keys4 = k_scale is not None and is_packed(k_pages.dtype)
             if keys4:  # 4-bit keys: requantized with a range per page and channel, unrotated
-                write_keys4(k_pages, k_scale, meta.write_index, k)
+                write_keys4(k_pages, k_scale, meta.write_index, k, meta.kv.exact_keys(ordinal, meta.kv_slots))
             elif k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and scales
                 h = rotation(hd, q.device, torch.float32)
                 if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype

@@ -121,6 +121,7 @@ class StepMeta:
     num_decode: int = -1  # rows of one token (-1: every row)
     prompt: PromptRows | None = None
     verify: VerifyRows | None = None  # decode rows that verify drafts, in a model with recurrent layers
+    kv_slots: torch.Tensor | None = None  # [N] int64, the KV write slot of every new token (None: none)
 
     def __post_init__(self) -> None:
         if self.num_decode < 0:

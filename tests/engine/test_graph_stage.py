@@ -9,12 +9,12 @@ import torch
 from ninfer.engine.cuda_graphs import _Stage
 
 PAGE = 4
-PAD = (9, 9 * PAGE, 7)  # padding page, its first row, padding slot
+PAD = (9, 9 * PAGE, 7, 5)  # padding page, its first row, padding slot, the KV write slot no write reads
 
 
-def request(prompt: int, pages: list[int], slot: int, computed: int | None = None):
+def request(prompt: int, pages: list[int], slot: int, computed: int | None = None, kv_slot: int | None = None):
     """A decoding request whose cache holds ``prompt`` tokens; its next token is ``100 + prompt``."""
-    req = SimpleNamespace(cache=SimpleNamespace(pages=pages, slot=slot),
+    req = SimpleNamespace(cache=SimpleNamespace(pages=pages, slot=slot, kv_slot=kv_slot),
                           num_computed=prompt if computed is None else computed, num_tokens=prompt + 1)
     req.token_at = lambda i: 100 + i
     return req
@@ -27,18 +27,18 @@ def rows(stage: _Stage, n: int):
 
 def test_stage_rows_follow_the_batch():
     stage = _Stage(3, 4, PAD)
-    a, b = request(5, [2, 3], 0), request(2, [4], 1)
+    a, b = request(5, [2, 3], 0, kv_slot=3), request(2, [4], 1)
     stage.fill([a, b], PAGE)
     assert rows(stage, 3) == [
-        ([105, 5, 3 * PAGE + 1, 0], 6, [2, 3, 9, 9]),
-        ([102, 2, 4 * PAGE + 2, 1], 3, [4, 9, 9, 9]),
-        ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9]),  # padding row
+        ([105, 5, 3 * PAGE + 1, 0, 3], 6, [2, 3, 9, 9]),
+        ([102, 2, 4 * PAGE + 2, 1, 5], 3, [4, 9, 9, 9]),  # no KV write slot
+        ([0, 0, 9 * PAGE, 7, 5], 1, [9, 9, 9, 9]),  # padding row
     ]
     # a grows into a new page; b leaves, so its row becomes padding again
     a.num_computed, a.num_tokens = 8, 9
     a.cache.pages = [2, 3, 6]
     stage.fill([a], PAGE)
-    assert rows(stage, 2) == [([108, 8, 6 * PAGE, 0], 9, [2, 3, 6, 9]), ([0, 0, 9 * PAGE, 7], 1, [9, 9, 9, 9])]
+    assert rows(stage, 2) == [([108, 8, 6 * PAGE, 0, 3], 9, [2, 3, 6, 9]), ([0, 0, 9 * PAGE, 7, 5], 1, [9, 9, 9, 9])]
 
 
 def test_table_rows_are_rewritten_only_when_pages_change(monkeypatch):
@@ -68,7 +68,7 @@ def test_a_token_not_yet_read_is_left_for_the_device():
     ahead = request(5, [2, 3], 0, computed=6)
     ahead.num_tokens = 6  # the token at position 6 has not been read back
     stage.fill([ahead], PAGE)
-    assert rows(stage, 1)[0][0] == [0, 6, 3 * PAGE + 2, 0]
+    assert rows(stage, 1)[0][0] == [0, 6, 3 * PAGE + 2, 0, 5]
 
 
 def test_picture_spares_the_copy_only_while_the_device_holds_the_inputs():

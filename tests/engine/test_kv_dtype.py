@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ninfer.engine.cache.kv_pool import PagedKVPool
-from ninfer.engine.cache.kv_quant import (QMAX, dequantize, dequantize_keys4, quantize, quantize_keys4, rotation,
-                                          unpack4, write_keys4)
+from ninfer.engine.cache.kv_quant import (QMAX, ExactKeys, dequantize, dequantize_keys4, quantize, quantize_keys4,
+                                          rotation, unpack4, write_keys4)
 from ninfer.engine.cache.manager import kv_bytes_per_token
 from ninfer.engine.engine_config import EngineConfig
 from support.prefix_cases import engine, greedy_with_top5, req, run
@@ -156,6 +156,60 @@ def test_4bit_keys_written_a_row_at_a_time_keep_a_range_per_page_and_channel(mon
     assert torch.equal(pages[3, :-1], before[0][3, :-1]) and torch.equal(stats, before[1])
 
 
+def test_4bit_keys_written_a_row_at_a_time_from_their_exact_rows_end_as_a_whole_page_write(monkeypatch):
+    """With a write slot holding the exact keys of the page being filled, pages written a row at
+    a time, or in runs crossing pages and split between requantizations, end with the codes and
+    ranges of the pages written whole; two sequences write side by side in one call. Without the
+    exact rows (no slot, or a slot cleared since) the earlier rows are the page's, rounded again."""
+    from ninfer.engine.cache import kv_quant
+
+    g = torch.Generator().manual_seed(2)
+    n_pages, page, hkv, d, slots = 6, 8, 2, 64, 3
+    x = torch.randn(4 * page, hkv, d, generator=g) * torch.logspace(-1, 1, d) + torch.linspace(-20, 20, d)
+    x[5] *= 4.0  # a row that widens its page's range after the first ones
+    seq = {0: (torch.cat([torch.arange(page) + 3 * page, torch.arange(page) + page]), x[: 2 * page]),  # pages 3, 1
+           2: (torch.cat([torch.arange(page) + 0 * page, torch.arange(page) + 4 * page]), x[2 * page :])}  # 0, 4
+    whole_codes, whole_ranges = quantize_keys4(x.view(4, page, hkv, d))
+    written = {3: 0, 1: 1, 0: 2, 4: 3}  # page: its rows in ``x``
+
+    def fresh():
+        exact = (torch.zeros(slots + 1, page, hkv, d), torch.full((slots + 1, page), -1, dtype=torch.long))
+        return (torch.full((n_pages, page, hkv, d // 2), 0xFF, dtype=torch.uint8),
+                torch.zeros(n_pages, 2, hkv, d).half(), exact)
+
+    def same_as_whole(pages, stats):
+        return all(torch.equal(pages[pg], whole_codes[i]) and torch.equal(stats[pg], whole_ranges[i])
+                   for pg, i in written.items())
+
+    monkeypatch.setattr(kv_quant, "KEYS_PER_WRITE", 5)
+    for runs in ([1] * 2 * page, [3, 7, 6], [2 * page]):
+        pages, stats, (rows, at) = fresh()
+        start = 0
+        for n in runs:  # the two sequences' runs in one call, as a step lays them out
+            index = torch.cat([seq[s][0][start : start + n] for s in seq])
+            k = torch.cat([seq[s][1][start : start + n] for s in seq])
+            slot = torch.tensor([s for s in seq for _ in range(n)])
+            write_keys4(pages, stats, index, k, ExactKeys(rows, at, slot))
+            start += n
+        assert same_as_whole(pages, stats), runs
+        assert torch.equal(at[0], seq[0][0][page:]) and torch.equal(rows[2], seq[2][1][page:])  # the last pages
+
+    for cleared in (False, True):  # rows without a slot (the unread last one), a slot forgotten midway
+        pages, stats, (rows, at) = fresh()
+        for i in range(page):
+            slot = torch.tensor([0 if cleared else slots])
+            if cleared and i == page // 2:
+                at[0] = -1
+            write_keys4(pages, stats, seq[0][0][i : i + 1], seq[0][1][i : i + 1], ExactKeys(rows, at, slot))
+        assert not torch.equal(stats[3], whole_ranges[0]) or not torch.equal(pages[3], whole_codes[0])
+        if not cleared:
+            assert torch.equal(at[:slots], torch.full((slots, page), -1))  # nothing kept outside the unread slot
+    pages, stats, _ = fresh()  # today's write, from the dequantized rows, differs too
+    for i in range(page):
+        write_keys4(pages, stats, seq[0][0][i : i + 1], seq[0][1][i : i + 1])
+    assert not torch.equal(pages[3], whole_codes[0])
+
+
 def test_memory_plan_fits_more_tokens_with_one_byte_pages(parts, monkeypatch):
     from ninfer.engine import memory
 
@@ -245,6 +299,46 @@ def test_the_server_flag_reaches_the_engine(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--model", "m", "--kv-dtype", bad])
         assert why in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_4bit_key_pages_decoded_a_token_a_step_end_as_written_by_a_prompt(parts):
+    """Two sequences decoded side by side a token a step (each a write slot) leave the first
+    attention layer's full key pages (keys the KV cache does not change) with the codes and ranges
+    their tokens written as one prompt give; a pool without write slots rounds the early rows again."""
+    from ninfer.engine.cache.manager import CacheManager
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+    from ninfer.engine.step import build_step
+
+    model, _ = parts
+    page, n = 8, 3 * 8 + 5
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for _ in range(2)]
+
+    def keys_after(chunk: int, write_slots: int | None = None):
+        caches = CacheManager(model.config, 16, page, 2, torch.float32, "cpu", kv_dtype=torch.uint8,
+                              write_slots=write_slots)
+        reqs = [Request(str(i), p, SamplingParams(), max_total_tokens=n + 1) for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.cache = caches.open()
+        for at in range(0, n, chunk):
+            step = min(chunk, n - at)
+            for r in reqs:
+                assert caches.reserve(r.cache, at + step)
+            run_step = build_step([(r, step) for r in reqs], caches, torch.device("cpu"))
+            model(run_step.input_ids, run_step.batch)
+            for r in reqs:
+                r.num_computed += step
+        full = [p for r in reqs for p in r.cache.pages[: n // page]]
+        keys, ranges = caches.kv.layer(0)[0], caches.kv.layer(0)[2]
+        return keys[full], ranges[full]
+
+    whole = keys_after(n)
+    stepped = keys_after(1)
+    assert torch.equal(stepped[0], whole[0]) and torch.equal(stepped[1], whole[1])
+    rounded = keys_after(1, write_slots=0)
+    assert not (torch.equal(rounded[0], whole[0]) and torch.equal(rounded[1], whole[1]))
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "4bit"])

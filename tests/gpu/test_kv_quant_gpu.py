@@ -53,3 +53,61 @@ def test_prefill_attention_over_quantized_pages(d, h, hkv, page, kv_dtype):
 def test_gdn_decode_with_a_bf16_state():
     check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=4, v_heads=8, head_dim=128,
                      state_dtype=torch.bfloat16)
+
+
+def test_4bit_key_writes_in_a_cuda_graph_end_as_a_whole_page_write():
+    """A 4-bit key write with its exact rows (``ExactKeys``) captured in a CUDA graph and replayed
+    a row at a time for two sequences side by side leaves each page with the codes and ranges of
+    the page written whole."""
+    from ninfer.engine.cache.kv_quant import ExactKeys, quantize_keys4, write_keys4
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    page, hkv, d, slots = 16, 4, 128, 3
+    x = torch.randn(2, 2 * page, hkv, d, device="cuda", generator=g) * 3 + torch.linspace(-9, 9, d, device="cuda")
+    x = x.bfloat16()
+    pages = torch.zeros(8, page, hkv, d // 2, dtype=torch.uint8, device="cuda")
+    stats = torch.zeros(8, 2, hkv, d, dtype=torch.float16, device="cuda")
+    exact = ExactKeys(torch.zeros(slots + 1, page, hkv, d, dtype=torch.bfloat16, device="cuda"),
+                      torch.full((slots + 1, page), -1, dtype=torch.long, device="cuda"),
+                      torch.tensor([2, 0], device="cuda"))
+    tables = torch.tensor([[5, 1], [2, 6]], device="cuda")
+    index = torch.zeros(2, dtype=torch.long, device="cuda")
+    k = torch.zeros(2, hkv, d, dtype=torch.bfloat16, device="cuda")
+
+    def feed(t: int) -> None:
+        index.copy_(tables[:, t // page] * page + t % page)
+        k.copy_(x[:, t])
+
+    feed(0)
+    write_keys4(pages, stats, index, k, exact)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_keys4(pages, stats, index, k, exact)
+    for t in range(2 * page):
+        feed(t)
+        graph.replay()
+    codes, ranges = quantize_keys4(x.view(4, page, hkv, d))
+    order = tables.flatten()
+    assert torch.equal(pages[order], codes) and torch.equal(stats[order], ranges)
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_4bit_decode_in_cuda_graphs_gives_the_eager_tokens(spec, tmp_path_factory, set_launch):
+    """Decode (and verify) steps over 4-bit pages replayed from CUDA graphs, each sequence's key
+    writes through its write slot, give the tokens of the same steps run eagerly."""
+    from ninfer.engine.loader import load_checkpoint, load_model
+    from support.overlap import drive
+    from support.tiny import save_tiny_llama
+
+    ckpt = load_checkpoint(save_tiny_llama(tmp_path_factory.mktemp("llama") / "ckpt"))
+    parts = (load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer)
+    specs = {0: {"max_tokens": 40}, 1: {"max_tokens": 12}, 2: {"max_tokens": 20}}
+    extra = {} if spec is None else {"spec": spec, "draft_tokens": 3}
+    set_launch(verify_in_graph=True)
+    engines = []
+    eager, _ = drive(parts, False, specs, arrivals={2: (0, 3)}, device="cuda", cuda_graphs=False,
+                     kv_dtype="4bit", **extra)
+    graphed, _ = drive(parts, False, specs, arrivals={2: (0, 3)}, device="cuda", kv_dtype="4bit",
+                       engine_out=engines, **extra)
+    assert engines[0].runner.graphs is not None and engines[0].caches.kv.write_slots > 0
+    assert graphed == eager
