@@ -158,9 +158,10 @@ class Int4CpuMethod(LinearMethod):
         self.in_features = in_features
         self.out_features = int(packed[0].shape[0])
         self.parts = len(packed)
-        for i, (p, sz) in enumerate(zip(packed, scale_zeros)):
-            self.register_buffer(f"packed{i}", p, persistent=False)
-            self.register_buffer(f"scale_zeros{i}", sz, persistent=False)
+        self._names = [(f"packed{i}", f"scale_zeros{i}") for i in range(self.parts)]
+        for (packed_name, sz_name), p, sz in zip(self._names, packed, scale_zeros):
+            self.register_buffer(packed_name, p, persistent=False)
+            self.register_buffer(sz_name, sz, persistent=False)
 
     @classmethod
     def from_groups(cls, w: GroupQuantized) -> "Int4CpuMethod":
@@ -172,17 +173,20 @@ class Int4CpuMethod(LinearMethod):
         return cls(packed, scale_zeros, max(w.group, INT4_GROUPS[0]), w.q.shape[1])
 
     def _part(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"packed{i}"), getattr(self, f"scale_zeros{i}")
+        packed_name, sz_name = self._names[i]
+        return self._buffers[packed_name], self._buffers[sz_name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)
-        out = None
-        for i in range(self.parts):
-            packed, sz = self._part(i)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group, sz).to(x.dtype)
+        # (a decode step's rows come 2-D, taken as they are: each call here costs a few
+        # microseconds beside a product of tens, and a decoded token makes 120 of them)
+        flat = x.dim() == 2
+        x2 = (x if flat else x.reshape(-1, self.in_features)).to(ACTIVATION_DTYPE)
+        out, buffers = None, self._buffers
+        for packed_name, sz_name in self._names:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, buffers[packed_name], self.group,
+                                                           buffers[sz_name]).to(x.dtype)
             out = y if out is None else out.add_(y)
-        return out.view(*lead, self.out_features)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
 
 
 GEMV_MAX_ROWS = 16  # input rows the 4-bit GEMV takes; more dequantize into a buffer for cuBLAS
