@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
+from ninfer.engine.layers.linear import Fp16CpuMethod
 from ninfer.engine.loader import load_checkpoint, load_model
 from ninfer.engine.models.base import ForwardBatch
 from ninfer.engine.request import Request
@@ -104,11 +105,14 @@ COPY_PREFILL = "```python\n"  # the answer starts as a code block, which ends th
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters, the packed buffers of quantized projections and quantized tables."""
+    """Bytes of the parameters, the packed buffers of quantized projections, quantized tables and
+    weights held outside buffers (``Fp16CpuMethod.nbytes``: an LM head in fp16)."""
     tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views (fused parts) once
                for t in list(model.parameters()) + list(model.buffers())}
     total = sum(tensors.values())
     for m in model.modules():
+        if isinstance(m, Fp16CpuMethod):
+            total += m.nbytes
         table = getattr(m, "table", None)
         if table is not None:
             total += sum(t.numel() * t.element_size() for t in (table.q, table.scale, table.offset) if t is not None)

@@ -7,8 +7,8 @@ Q4_K_M-like mix, kept quantized against dense.
 The mix: Q6_K for the LM head, ``attn_v`` and ``ffn_down`` in the first half of the layers,
 ``--base`` (Q4_K: Q4_K_M-like, Q5_K: Q5_K_M-like) for the other projections (the GDN's too). On
 the GPU every projection and the head are held by ``TritonGroupMethod`` (dense: bf16); on the CPU
-the projections by ``Int4CpuMethod`` and the head dense in fp32 (``layers/embedding.py``; dense:
-fp32). Runs on the CPU; nothing is timed.
+the projections by ``Int4CpuMethod`` and the head in fp16 (``Fp16CpuMethod``, ``layers/embedding.py``;
+dense: fp32). Runs on the CPU; nothing is timed.
 """
 from __future__ import annotations
 
@@ -79,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu_kept = sum(n * per[t][0] for t, n in weights.items())
     # before Q5_K / Q6_K were kept: those dequantized at load
     gpu_before = sum(n * (per[t][0] if t == Q.Q4_K else 2) for t, n in weights.items())
-    cpu_kept = sum(n * per[t][1] for t, n in weights.items()) - head * per[Q.Q6_K][1] + head * 4
+    cpu_kept = sum(n * per[t][1] for t, n in weights.items()) - head * per[Q.Q6_K][1] + head * 2
     cpu_before = sum(n * (per[t][1] if t == Q.Q4_K else 4) for t, n in weights.items())
     total = sum(weights.values())
     print(f"\n{args.shape}, {base.name}_M-like mix: {total / 1e9:.2f} G weights in projections and LM head, "
           f"{weights[Q.Q6_K] / 1e9:.2f} G of them Q6_K; in the file {file / gib:.2f} GiB")
     print("| held | kept quantized | Q5_K / Q6_K dense (before) | all dense |\n|---|---|---|---|")
     print(f"| GPU (dense bf16) | {gpu_kept / gib:.2f} GiB | {gpu_before / gib:.2f} GiB | {2 * total / gib:.2f} GiB |")
-    print(f"| CPU (dense fp32, head dense) | {cpu_kept / gib:.2f} GiB | {cpu_before / gib:.2f} GiB | "
+    print(f"| CPU (dense fp32, head fp16) | {cpu_kept / gib:.2f} GiB | {cpu_before / gib:.2f} GiB | "
           f"{4 * total / gib:.2f} GiB |")
     return 0
 

@@ -133,9 +133,9 @@ class Attention(NormFusedInput, nn.Module):
         n = q.shape[0]
         positions = batch.positions if batch.mrope is None else batch.mrope
         if batch.step is not None:
-            out = self._over_pools(q, k, v, positions, batch.step)
+            out = self._over_pools(q, k, v, positions, batch.step, batch.memo)
             return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
-        q, k, v, gate = self._prepare(q, k, v, positions)
+        q, k, v, gate = self._prepare(q, k, v, positions, batch.memo)
         parts = []
         for (start, end), cache in zip(batch.slices, batch.caches):
             keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
@@ -145,8 +145,8 @@ class Attention(NormFusedInput, nn.Module):
             out = out * torch.sigmoid(gate)
         return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
-    def _prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The torch path's q ``[N, H, D]`` and k ``[N, Hkv, D]`` normed and rotated, v
         ``[N, Hkv, D]``, and the output gate ``[N, H, D]`` (gated attention) or None."""
         n = q.shape[0]
@@ -158,11 +158,11 @@ class Attention(NormFusedInput, nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, memo)
         return q, k, v, gate
 
     def _over_pools(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    meta) -> torch.Tensor:
+                    meta, memo: dict | None = None) -> torch.Tensor:
         """A step over the pools (``StepMeta``): every new token's K/V written into its pages, then
         the decode rows through the split-K decode kernel and the prompt rows through the varlen
         prompt kernel, both reading K/V in place; ``[N, H, D]`` with the output gate applied. With
@@ -174,7 +174,7 @@ class Attention(NormFusedInput, nn.Module):
             gate = self._gate(q)
             q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         else:  # the torch path; quantized pages take it on the GPU too (the keys' rotation, 4-bit key ranges)
-            q, k, v, gate = self._prepare(q, k, v, positions)
+            q, k, v, gate = self._prepare(q, k, v, positions, memo)
             hkv, hd = self.num_kv_heads, self.head_dim
             keys4 = k_scale is not None and is_packed(k_pages.dtype)
             if keys4:  # 4-bit keys: requantized with a range per page and channel, unrotated

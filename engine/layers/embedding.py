@@ -1,13 +1,17 @@
 """Token embedding and the output head (its own weight, or tied to the embedding).
 
 A quantized embedding table (``take_quantized``, ``linear.py``) stays quantized and a lookup
-dequantizes only its rows. On the CPU the head's weight is held dense, dequantized at load:
-sampling reads its logits as they are, and the CPU int4 matmul rounds its outputs to bf16 (a step
-of 0.125 at a logit of 25), which turned the embedded model's greedy answer to the README's
-question from "The capital ..." into "L'Étoile ..." (a 0.08 margin); a table tied to the head is
-held dense with it. On the GPU, where the dense head computes in bf16 too, a quantized head
-weight stays quantized (``linear.TritonGroupMethod``): the 27B's head is 2.5 GB in bf16, 1.3 GB
-in 8 bits.
+dequantizes only its rows. A quantized head weight is held by the method ``linear.head_method``
+picks: on the CPU the weight in fp16 for fbgemm's fp16 GEMM (``linear.Fp16CpuMethod``), whose
+logits come out in fp32 as the dequantized weight's do (sampling reads them as they are; the CPU
+int4 product rounds its outputs to bf16, a step of 0.125 at a logit of 25, which turned the
+embedded model's greedy answer to the README's question from "The capital ..." into "L'Étoile ..."
+on a 0.08 margin); a table tied to the head stays quantized for the lookups, the head holding its
+own fp16 copy (SmolLM2's Q8_0 table: 30 MiB quantized and 54 MiB in fp16 against 108 MiB dense in
+fp32, and 1.8 ms a token for the head against 9.5 ms). Where no method holds it (a torch without
+fbgemm, a head split over tensor-parallel ranks) the weight is dequantized at load, a tied table
+with it. On the GPU an untied head stays quantized (``linear.TritonGroupMethod``): the 27B's head
+is 2.5 GB in bf16, 1.3 GB in 8 bits.
 """
 from __future__ import annotations
 
@@ -16,18 +20,19 @@ from torch import nn
 
 from .. import parallel
 from .fused_linear import decode_linear
-from .linear import GroupQuantized, LinearMethod, check_shape, quantized_method
+from .linear import GroupQuantized, LinearMethod, check_shape, head_method
 
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose table may be held quantized: a lookup dequantizes its rows, exactly
-    as the format defines them, into the model's dtype. A table a head is tied to
-    (``ties_head``) is dequantized at load instead."""
+    as the format defines them, into the model's dtype. A table a head is tied to stays
+    quantized where the head holds its own copy (``LMHead.take_tied``), and is dequantized at load
+    where it does not."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.table: GroupQuantized | None = None
-        self.ties_head = False  # a tied LMHead reads this table
+        self._tied_head: list[LMHead] = []  # a head that reads this table (in a list: not a submodule)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is None:
@@ -37,7 +42,7 @@ class Embedding(nn.Embedding):
 
     def take_quantized(self, name: str, w: GroupQuantized) -> None:
         check_shape(name, w, self.weight.shape)
-        if self.ties_head:
+        if self._tied_head and not self._tied_head[0].take_tied(w, self.weight):
             with torch.no_grad():
                 self.weight.copy_(w.dequantize())
             return
@@ -52,9 +57,10 @@ class LMHead(nn.Module):
 
     With ``tied_to`` the head owns no parameter and reads the embedding's weight, so a tied model
     has one ``[vocab, hidden]`` tensor (under ``model.embed_tokens.weight``). A quantized weight is
-    dequantized at load (see above). Under tensor parallelism (``parallel.py``) each rank holds
+    held by a method (``method``, see above), or dequantized at load where none holds it. Under tensor parallelism (``parallel.py``) each rank holds
     ``vocab_shard`` rows (its own weight: rows ``rank * shard ..``, the last rank's padded; tied:
-    those rows of the embedding) and the ranks' logits are gathered, so every rank returns all of them.
+    those rows of the embedding) and the ranks' logits are gathered, so every rank returns all of them
+    (a quantized weight is then dequantized at load).
     """
 
     method: LinearMethod | None
@@ -73,7 +79,7 @@ class LMHead(nn.Module):
             if tuple(tied_to.weight.shape) != (vocab_size, hidden_size):
                 raise ValueError(f"tied embedding has shape {tuple(tied_to.weight.shape)}")
             self._embedding = [tied_to]  # in a list: not registered as a submodule a second time
-            tied_to.ties_head = True
+            tied_to._tied_head = [self]
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -99,11 +105,23 @@ class LMHead(nn.Module):
 
     def take_quantized(self, name: str, w: GroupQuantized) -> None:
         check_shape(name, w, self.weight.shape)
-        if self.weight.device.type == "cpu":
+        method = head_method(w, self.weight.device)
+        if method is None:
             with torch.no_grad():
                 self.weight.copy_(w.dequantize())
             return
-        self.method = quantized_method(w, self.weight.device)
-        self._dtype = self.weight.dtype
+        self.method, self._dtype = method, self.weight.dtype
         del self.weight
         self.register_parameter("weight", None)
+
+    def take_tied(self, w: GroupQuantized, table: torch.Tensor) -> bool:
+        """Hold the quantized table ``w`` the head is tied to (the embedding's dense ``table``
+        until then) in a method of its own; False where none holds it (see above) or this rank
+        holds only some of its rows."""
+        if self.rows != self.vocab_size:
+            return False
+        method = head_method(w, table.device)
+        if method is None:
+            return False
+        self.method, self._dtype = method, table.dtype
+        return True

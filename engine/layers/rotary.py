@@ -125,17 +125,33 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, memo: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """q and k rotated together (one pass over their heads side by side), each contiguous.
+        ``memo``: the step's (``ForwardBatch.memo``), where the factors for its positions are kept
+        for the other layers."""
+        factors = None if memo is None else memo.get(self)
+        if factors is None:
+            cos, sin = self.cos_sin(positions)
+            factors = torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
+            if memo is not None:
+                memo[self] = factors
+        heads = q.shape[1]
+        qk = self._rotate(torch.cat([q, k], dim=1), *factors)
+        return qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.rotary_dim // 2
+        """``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` for the halves ``x1``, ``x2`` of
+        the rotated dims, as ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` (``cos``, ``sin`` those
+        halves' factors: the same values, ``a + b * -s`` being ``a - b * s``): four operations
+        instead of ten."""
+        n, heads, _ = x.shape
         x32 = x.float()
-        x1, x2, rest = x32[..., :half], x32[..., half : self.rotary_dim], x32[..., self.rotary_dim :]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        part = x32[..., : self.rotary_dim]
+        swapped = part.reshape(n, heads, 2, self.rotary_dim // 2).flip(2).reshape(n, heads, self.rotary_dim)
+        rotated = part * cos + swapped * sin
+        if self.rotary_dim < self.head_dim:
+            rotated = torch.cat([rotated, x32[..., self.rotary_dim :]], dim=-1)
         return rotated.to(x.dtype)
 
     def extra_repr(self) -> str:

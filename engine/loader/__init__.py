@@ -112,7 +112,8 @@ def placed_quantized(model: CausalLM, weights: Iterable[tuple[str, Any]],
                      device: torch.device) -> Iterator[tuple[str, Any]]:
     """``weights`` with each ``GroupQuantized`` one kept where its module holds it quantized on
     ``device``: a projection (``Linear``) whose method there takes its bits and groups
-    (``linear.method_fits``), and on the CPU an embedding table (``embedding.py``); every other
+    (``linear.method_fits``), and on the CPU an embedding table or an LM head, which hold it or
+    dequantize it themselves (``embedding.py``); every other
     one (MoE experts, which run dense weights; odd group sizes on the GPU) dequantized here."""
     dequantized = 0
     for name, tensor in weights:
@@ -134,7 +135,7 @@ def _holds_quantized(model: CausalLM, name: str, w: GroupQuantized, device: torc
     if attr != "weight":
         return False
     if isinstance(module, Linear) or isinstance(module, LMHead) and device.type != "cpu":
-        return method_fits(w, device)  # (on the CPU a head dequantizes what it takes: embedding.py)
+        return method_fits(w, device)  # (on the CPU a head picks its own method: embedding.py)
     return device.type == "cpu" and hasattr(module, "take_quantized")
 
 

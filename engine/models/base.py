@@ -17,7 +17,7 @@ advances.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -140,6 +140,9 @@ class ForwardBatch:
     # token embeddings: (flat token indices [M], rows [M, hidden])
     mrope: torch.Tensor | None = None
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # what the layers derive from the step's tensors alike, computed by the first and kept for the
+    # rest (the RoPE factors for ``positions``, keyed by the rotary module: ``rotary.py``)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def slices(self) -> list[tuple[int, int]]:

@@ -17,4 +17,4 @@ def test_bytes_a_weight_as_held():
 def test_prints_the_mix(capsys):
     assert main(["--shape", "qwen3.5-0.8b"]) == 0
     out = capsys.readouterr().out
-    assert "Q4_K_M-like mix" in out and "| GPU (dense bf16) |" in out and "| CPU (dense fp32, head dense) |" in out
+    assert "Q4_K_M-like mix" in out and "| GPU (dense bf16) |" in out and "| CPU (dense fp32, head fp16) |" in out

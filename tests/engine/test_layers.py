@@ -50,6 +50,24 @@ def test_rmsnorm_eps_and_bf16_computed_in_fp32():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("rows, dim", [(1, 576), (3, 1536), (64, 4096)])
+def test_rmsnorm_is_the_written_out_formula_bit_for_bit(rows, dim, zero_centered):
+    gen = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, eps=1e-5, zero_centered=zero_centered)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen) * 0.3 + (0.0 if zero_centered else 1.0))
+    x, residual = torch.randn(rows, dim, generator=gen) * 5, torch.randn(rows, dim, generator=gen)
+    scale = 1.0 + norm.weight if zero_centered else norm.weight
+
+    def written_out(x):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-5) * scale
+
+    assert torch.equal(norm(x), written_out(x))
+    out, summed = norm(x, residual)
+    assert torch.equal(summed, residual + x) and torch.equal(out, written_out(residual + x))
+
+
 # ---------------------------------------------------------------- rotary
 
 def _rot(x1: float, x2: float, angle: float) -> tuple[float, float]:
@@ -78,6 +96,28 @@ def test_rotary_partial_leaves_tail_and_position_zero_is_identity():
     torch.testing.assert_close(out_k[0, 1], out_q[0, 0])
     same_q, _ = rope(torch.tensor([0]), q, k)
     torch.testing.assert_close(same_q, q)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_rotary_is_the_written_out_rotation_bit_for_bit_and_a_step_computes_its_factors_once(rotary_dim):
+    gen = torch.Generator().manual_seed(rotary_dim)
+    rope = RotaryEmbedding(head_dim=64, rotary_dim=rotary_dim, base=10000.0)
+    positions = torch.tensor([0, 7, 130, 4095])
+    q, k = torch.randn(4, 9, 64, generator=gen), torch.randn(4, 3, 64, generator=gen)
+    angles = positions.float()[:, None] * rope.inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def written_out(x):
+        half = rotary_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+    memo = {}
+    out_q, out_k = rope(positions, q, k, memo)
+    assert torch.equal(out_q, written_out(q)) and torch.equal(out_k, written_out(k))
+    assert out_q.is_contiguous() and out_k.is_contiguous() and list(memo) == [rope]
+    memo[rope] = tuple(f * 0 for f in memo[rope])  # the next layer of the step reads the kept factors
+    assert torch.equal(rope(positions, q, k, memo)[0][..., :rotary_dim], torch.zeros(4, 9, rotary_dim))
 
 
 def test_rotary_scores_depend_on_relative_position():

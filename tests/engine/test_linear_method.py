@@ -8,7 +8,7 @@ from torch import nn
 
 from ninfer.engine.layers.embedding import Embedding, LMHead
 from ninfer.engine.layers.fused_linear import fuse_linears, split_linear
-from ninfer.engine.layers.linear import GroupQuantized, Int4CpuMethod, Linear
+from ninfer.engine.layers.linear import Fp16CpuMethod, GroupQuantized, Int4CpuMethod, Linear, fp16_cpu_gemm_available
 from ninfer.engine.layers.norm import RMSNorm
 from ninfer.engine.models.weights import load_parameters
 
@@ -112,19 +112,54 @@ def test_embedding_rows_stay_quantized():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_lm_head_is_held_dense(tied):
-    """Logits are read by sampling as they are: the head's weight is dequantized, never run
-    through the bf16-rounding int4 product (a tied table with it)."""
+def test_lm_head_is_held_in_fp16_with_fp32_logits(tied):
+    """Logits are read by sampling as they are: on the CPU the head's weight is held in fp16
+    (fbgemm's fp16 GEMM, fp32 activations and sums), never run through the bf16-rounding int4
+    product; a table tied to it stays quantized for the lookups."""
+    if not fp16_cpu_gemm_available():
+        pytest.skip("this torch has no fbgemm")
     w = random_groups(64, 32, 8, False)
     emb = Embedding(64, 32)
     head = LMHead(32, 64, tied_to=emb if tied else None)
     owner, name = (emb, "model.embed_tokens.weight") if tied else (head, "lm_head.weight")
     owner.take_quantized(name, w)
-    assert torch.equal(head.lm_weight, w.dequantize())
+    assert isinstance(head.method, Fp16CpuMethod) and head.method.nbytes == 2 * 64 * 32
+    held = w.dequantize().half().float()
+    assert torch.equal(head.method.held_weight(), held)
+    assert (held - w.dequantize()).abs().max() <= 2.0**-11 * w.dequantize().abs().max()  # fp16's step
+    hidden = torch.randn(4, 3, 32)
+    logits = head(hidden)
+    assert logits.shape == (4, 3, 64) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, (hidden.double() @ held.double().t()).float(), rtol=1e-6, atol=1e-5)
+    assert emb.weight is None if tied else head.weight is None
+    if tied:
+        assert emb.table is w and torch.equal(emb(torch.tensor([5])), w.dequantize()[5:6])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_without_fbgemm_is_held_dense(tied, monkeypatch):
+    """Where no method holds the head's weight it is dequantized at load, a tied table with it."""
+    from ninfer.engine.layers import linear
+
+    monkeypatch.setattr(linear, "fp16_cpu_gemm_available", lambda: False)
+    w = random_groups(64, 32, 8, False)
+    emb = Embedding(64, 32)
+    head = LMHead(32, 64, tied_to=emb if tied else None)
+    owner, name = (emb, "model.embed_tokens.weight") if tied else (head, "lm_head.weight")
+    owner.take_quantized(name, w)
+    assert head.method is None and torch.equal(head.lm_weight, w.dequantize())
     hidden = torch.randn(4, 32)
     torch.testing.assert_close(head(hidden), hidden @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
     if tied:
         assert emb.table is None and torch.equal(emb(torch.tensor([5])), w.dequantize()[5:6])
+
+
+def test_lm_head_out_of_fp16_range_is_held_dense():
+    w = random_groups(64, 32, 8, False)
+    w.scale[3, 0] = 1000.0  # values to 128000, past fp16's 65504
+    head = LMHead(32, 64)
+    head.take_quantized("lm_head.weight", w)
+    assert head.method is None and torch.equal(head.lm_weight, w.dequantize())
 
 
 class _Block(nn.Module):

@@ -10,7 +10,7 @@ from gguf.quants import dequantize, quantize
 
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.layers.embedding import Embedding
-from ninfer.engine.layers.linear import Int4CpuMethod, Linear
+from ninfer.engine.layers.linear import Fp16CpuMethod, Int4CpuMethod, Linear, fp16_cpu_gemm_available
 from ninfer.engine.loader import load_model
 from ninfer.engine.loader.gguf_loader import kept_quantized, load_gguf, open_gguf
 from ninfer.engine.loader.gguf_quant import group_quantized
@@ -76,8 +76,12 @@ def test_llama_kept_quantized_gives_the_dequantized_logits(gguf_writer, qtype, t
     dense = load_model(ckpt, "cpu", torch.float32, weights="dense")
     projections = [m for m in kept.modules() if isinstance(m, Linear)]
     assert len(projections) == 7 * LAYERS and all(m.quantized for m in projections)
-    # a table tied to the head is held dense; an untied one stays quantized (layers/embedding.py)
-    assert isinstance(kept.model.embed_tokens, Embedding) and (kept.model.embed_tokens.table is None) == tied
+    # the head is held in fp16 and the table stays quantized, tied or not; without fbgemm a head
+    # and a table tied to it are held dense (layers/embedding.py)
+    fp16 = fp16_cpu_gemm_available()
+    assert isinstance(kept.model.embed_tokens, Embedding)
+    assert (kept.model.embed_tokens.table is not None) == (fp16 or not tied)
+    assert isinstance(kept.lm_head.method, Fp16CpuMethod) == fp16
     assert not any(m.quantized for m in dense.modules() if isinstance(m, Linear))
     for layer in kept.model.layers:  # q/k/v and gate/up each one int4 product
         assert isinstance(layer.self_attn._fused, Int4CpuMethod) and isinstance(layer.mlp._fused, Int4CpuMethod)

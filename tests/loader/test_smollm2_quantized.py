@@ -1,6 +1,6 @@
 """The embedded SmolLM2 (Q4_1 matrices, a Q8_0 tied embedding) kept quantized on the CPU against its
-dequantized load: every projection held quantized, the same perplexity on a long English text, and the
-same answer to the README's question at temperature 0; ``--weights int8`` and ``int4`` (quantized at load
+dequantized load: every projection held quantized, the tied table kept Q8_0 and the LM head in fp16, the
+same perplexity on a long English text, and the same answer to the README's question at temperature 0; ``--weights int8`` and ``int4`` (quantized at load
 from the dequantized weights) within the issue's 0.5% and 6% of the dequantized perplexity."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from ninfer.engine.engine import LLMEngine
 from ninfer.engine.engine_config import EngineConfig
 from ninfer.engine.frontend.chat_template import ChatTemplate
-from ninfer.engine.layers.linear import Int4CpuMethod, Linear
+from ninfer.engine.layers.linear import Fp16CpuMethod, Int4CpuMethod, Linear
 from ninfer.engine.loader import load_model
 from ninfer.engine.request import Request
 from ninfer.engine.sampling_params import SamplingParams
@@ -31,8 +31,16 @@ def test_every_matrix_is_held_quantized(models):
     kept = models["auto"]
     projections = [m for m in kept.modules() if isinstance(m, Linear)]
     assert len(projections) == 7 * 30 and all(m.quantized for m in projections)
-    # the Q8_0 embedding is tied to the head, held dense (layers/embedding.py)
-    assert kept.model.embed_tokens.table is None
+    # the Q8_0 embedding is tied to the head: the table stays Q8_0 for the lookups, the head holds
+    # it in fp16 (layers/embedding.py); no fp32 copy of it is left
+    table, head = kept.model.embed_tokens.table, kept.lm_head.method
+    assert table.kind == "Q8_0" and kept.model.embed_tokens.weight is None
+    assert isinstance(head, Fp16CpuMethod) and (head.out_features, head.in_features) == (49152, 576)
+    table_bytes = sum(t.numel() * t.element_size() for t in (table.q, table.scale))
+    dense_head = models["dense"].lm_head.lm_weight
+    assert dense_head.dtype == torch.float32 and dense_head.shape == (49152, 576)
+    assert head.nbytes == dense_head.numel() * 2 and table_bytes < dense_head.numel() * 1.2
+    assert not any(p.numel() >= dense_head.numel() for p in kept.parameters())
     assert projections[0].method.packed0.dtype == torch.uint8
     for layer in kept.model.layers:  # q/k/v and gate/up each one int4 product
         assert isinstance(layer.self_attn._fused, Int4CpuMethod) and isinstance(layer.mlp._fused, Int4CpuMethod)
