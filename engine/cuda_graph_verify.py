@@ -23,7 +23,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
-from .cuda_graphs import WIDE_ROWS, no_write_slot
+from .cuda_graphs import WIDE_ROWS
 from .models.base import CausalLM, ForwardBatch, StepMeta, VerifyRows
 from .request import Request
 from .runner import sampled_logits
@@ -133,7 +133,7 @@ class CudaGraphVerifier:
         self.buffers = buffers  # the runner's verify buffers (None: no recurrent layers)
         page, slot = caches.reserve_padding()
         page = max(page, 0)
-        pad = (page, page * caches.page_size, max(slot, 0), no_write_slot(caches))
+        pad = (page, page * caches.page_size, max(slot, 0), caches.no_write_slot)
         self._stages = [_Stage(self.layout, pad) for _ in range(2)]  # used in turn, as the decoder's
         self._turn = 0
         self.inputs = torch.zeros(self.layout.end(self.layout.n), dtype=torch.uint8, device=device)

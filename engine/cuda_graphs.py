@@ -46,11 +46,6 @@ def _views(buf: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tensor, tor
     return buf[:wide].view(torch.long).view(WIDE_ROWS, n), narrow, narrow[n:].view(n, max_pages)
 
 
-def no_write_slot(caches: CacheManager) -> int:
-    """The KV write slot of padding rows (one no write reads)."""
-    return caches.kv.no_write_slot if caches.kv is not None else 0
-
-
 class _Stage:
     """Pinned host copies of the static inputs, written row by row and sent in one copy.
 
@@ -139,7 +134,7 @@ class CudaGraphDecoder:
         self.input_ids, self.positions, self.write_index, self.slot_ids, self.kv_slots = self.wide.unbind(0)
         self.context_lens = self.narrow[:n]
         page = max(self.pad_page, 0)
-        pad = (page, page * caches.page_size, max(self.pad_slot, 0), no_write_slot(caches))
+        pad = (page, page * caches.page_size, max(self.pad_slot, 0), caches.no_write_slot)
         # two stages used in turn: a stage is rewritten only after the step that read it has run
         self._stages = [_Stage(n, self.max_pages, pad) for _ in range(2)]
         self._turn = 0

@@ -3,8 +3,8 @@
 A plan of ``(request, n)`` rows becomes the token ids and positions of the flat run and a
 ``StepMeta`` (``models/base.py``): the rows of one token first (decode rows), then the rows of
 several (prompt chunks, forced tokens); per row its context length, block table, state slot and
-query run; per token its KV write row and write slot; and which tokens' logits are sampled. Everything is laid out
-in one host buffer and reaches the device in one copy (pinned on CUDA, so the copy is
+query run; per token its KV write row (and write slot, where the pool keeps exact 4-bit keys);
+and which tokens' logits are sampled. Everything is laid out in one host buffer and reaches the device in one copy (pinned on CUDA, so the copy is
 asynchronous); the int32 part is one cast on the device.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
     width = max((len(r.cache.pages) for r, _, _ in layout), default=1) or 1
     given, tokens = tokens, []
     positions, writes, slots, lens, tables, kv_slots = [], [], [], [], [], []
-    no_write_slot = caches.kv.no_write_slot if caches.kv is not None else 0
+    exact = caches.kv is not None and caches.kv.write_slots > 0  # each token's write slot, where the pool keeps them
     axes: list[torch.Tensor | None] = []  # per row, its M-RoPE positions where its request has images
     embeds: list[tuple[int, torch.Tensor]] = []  # (flat index of the first, image rows) placed in the run
     cu, sample, sampled, widths, end = [0], [], [], [], 0
@@ -128,7 +128,8 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
         else:
             writes.extend([0] * n)
         slots.append(cache.slot if cache.slot is not None else 0)
-        kv_slots.extend([cache.kv_slot if cache.kv_slot is not None else no_write_slot] * n)
+        if exact:
+            kv_slots.extend([cache.kv_slot if cache.kv_slot is not None else caches.no_write_slot] * n)
         lens.append(start + n)
         tables.extend(table)
         tables.extend([0] * (width - len(table)))
@@ -168,7 +169,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
         return out
 
     input_ids = ids if ids is not None else take(n_tok)
-    pos_t, write_t, kv_slot_t = take(n_tok), take(n_tok), take(n_tok)
+    pos_t, write_t, kv_slot_t = take(n_tok), take(n_tok), take(len(kv_slots))
     slot_t, sample_t = take(rows), take(len(sample))
     pairs_t = take(len(pairs)).view(-1, 2)
     small = dev[off:].to(torch.int32)
@@ -186,7 +187,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=small[cu_at:].view(rows, width),
                     context_lens=lens_t, write_index=write_t, slot_ids=slot_t, num_decode=num_decode,
-                    prompt=prompt, verify=verify, kv_slots=kv_slot_t)
+                    prompt=prompt, verify=verify, kv_slots=kv_slot_t if exact else None)
     batch = ForwardBatch(positions=pos_t, seq_lens=[n for _, _, n in layout], caches=[r.cache for r, _, _ in layout],
                          step=meta)
     if any(a is not None and not bool((a == a[0]).all()) for a in axes):  # image tokens: three-axis positions

@@ -124,6 +124,12 @@ class CacheManager:
         return (-1 if self.padding_page is None else self.padding_page,
                 -1 if self.padding_slot is None else self.padding_slot)
 
+    @property
+    def no_write_slot(self) -> int:
+        """The KV write slot of rows without one (padding, a sequence past the pool's slots):
+        one no write reads."""
+        return self.kv.no_write_slot if self.kv is not None else 0
+
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> PagedSequenceCache:
         cache = PagedSequenceCache(self.kv, self.states)
