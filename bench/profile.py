@@ -1,10 +1,13 @@
 """Where a decode step and a prefill spend GPU time: per-kernel totals from the torch profiler.
 
     python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384]
+    python -m bench.profile --shape qwen3.5-0.8b --batch 8 --mixed 16 --mixed-tokens 128
 
 Builds the same random-weight engine as ``bench.decode``, then profiles a few eager decode steps
 (the kernels a CUDA graph replays) and one prefill, printing the top kernels by GPU time with
-their call counts and the share of the total.
+their call counts and the share of the total. ``--mixed N``: one step that carries N new prompts
+of ``--mixed-tokens`` each beside the decoding batch (after the same mix once to warm up), its
+host time against its GPU time and the host's top operators.
 """
 from __future__ import annotations
 
@@ -54,6 +57,41 @@ def host_profile(engine, steps: int, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def mixed_step(engine, cfg, rows: int, tokens: int, top: int) -> None:
+    """One engine step carrying ``rows`` whole prompts of ``tokens`` beside the running batch:
+    the host's time in it (wall time of ``engine.step()`` with the profiler's CPU events, and
+    the sum of their own times) against the GPU's (the sum of its kernels)."""
+    import time
+
+    for k in range(2):  # the first round warms the mix up (compiles, allocator)
+        reqs = _requests(rows, tokens, 1, cfg.vocab_size, f"m{k}-", engine.config.max_context)
+        for i, r in enumerate(reqs):
+            r.prompt_ids[0] = (k * rows + i) % cfg.vocab_size  # no prefix alike
+            engine.add_request(r)
+        _sync()
+        with profile(activities=sorted({ProfilerActivity.CPU, *_activities()}, key=str)) as prof:
+            t0 = time.perf_counter()
+            engine.step()
+            host_s = time.perf_counter() - t0
+            _sync()
+        if any(not r.output_ids for r in reqs):
+            raise SystemExit(f"{rows} prompts of {tokens} did not fit one step (--max-batched-tokens)")
+        for r in reqs:
+            engine.abort(r.request_id)
+    events = prof.key_averages()
+    cpu_us = sum(e.self_cpu_time_total for e in events)
+    gpu_us = sum(_self_us(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"\n## one step of {rows} prompts of {tokens} tokens beside the decoding batch")
+    print(f"engine.step() {host_s * 1e3:.1f} ms on the host; operators' own CPU time {cpu_us / 1e3:.1f} ms; "
+          f"GPU kernels {gpu_us / 1e3:.1f} ms; CPU / GPU {cpu_us / max(gpu_us, 1):.2f}x")
+    rows_ = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                   reverse=True)
+    print("| CPU us (own) | calls | operator |\n|---|---|---|")
+    for e in rows_[:top]:
+        print(f"| {e.self_cpu_time_total:.0f} | {e.count} | {e.key[:100]} |")
+    print(kernel_table(prof, 1, top), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile")
     p.add_argument("--shape", required=True)
@@ -63,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--host", action="store_true", help="also profile the host side of graph-replayed steps")
+    p.add_argument("--mixed", type=int, default=0, help="profile one step of this many new prompts beside the batch")
+    p.add_argument("--mixed-tokens", type=int, default=128, help="tokens of each --mixed prompt")
     args = p.parse_args(argv)
     cfg = shape_config(args.shape)
-    engine = _engine(cfg, args.batch, args.context, 64, max(args.prefill, 16))
+    mixed = args.mixed * args.mixed_tokens
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = _engine(cfg, args.batch + args.mixed, args.context, 64, max(args.prefill, 16, mixed), device,
+                     prefill_chunk=max(args.prefill, 2048, mixed + args.batch))
     reqs = _requests(args.batch, args.context, 256, cfg.vocab_size, "d", engine.config.max_context)
     for r in reqs:
         engine.add_request(r)
@@ -84,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     print(kernel_table(prof, args.steps, args.top), flush=True)
     if args.host:
         host_profile(engine, 50, args.top)
+    if args.mixed:
+        mixed_step(engine, cfg, args.mixed, args.mixed_tokens, args.top)
     for r in reqs:
         engine.abort(r.request_id)
     if args.prefill:
