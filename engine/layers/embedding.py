@@ -12,6 +12,11 @@ fp32, and 1.8 ms a token for the head against 9.5 ms). Where no method holds it 
 fbgemm, a head split over tensor-parallel ranks) the weight is dequantized at load, a tied table
 with it. On the GPU an untied head stays quantized (``linear.TritonGroupMethod``): the 27B's head
 is 2.5 GB in bf16, 1.3 GB in 8 bits.
+
+``--embedding-host`` keeps a dense table in pinned host memory (``Embedding.hold_on_host``, before
+the weights are loaded into it): a GPU lookup reads its rows there in place
+(``embedding_triton.py``), which frees the table's bytes on the card (the 27B's: 2.5 GB) for a
+few KiB over the bus a token.
 """
 from __future__ import annotations
 
@@ -33,18 +38,36 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim)
         self.table: GroupQuantized | None = None
         self._tied_head: list[LMHead] = []  # a head that reads this table (in a list: not a submodule)
+        self.on_host = False  # the table in pinned host memory, read in place by GPU lookups
+
+    def hold_on_host(self) -> None:
+        """Keep the dense table in pinned host memory (call before the weights are loaded: they
+        are copied straight there). Refused for a table an LM head reads: the head needs it on
+        the device each step."""
+        if self._tied_head:
+            raise ValueError("the LM head is tied to the token embedding and reads its table on the device every "
+                             "step: a model with tied embeddings runs without --embedding-host")
+        if self.table is not None:
+            raise ValueError("a quantized embedding table stays where it is loaded")
+        host = torch.empty(self.weight.shape, dtype=self.weight.dtype, pin_memory=torch.cuda.is_available())
+        self.weight = nn.Parameter(host, requires_grad=False)
+        self.on_host = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.on_host and ids.device.type != "cpu":
+            from .embedding_triton import host_embedding_triton
+
+            return host_embedding_triton(self.weight, ids)
         if self.table is None:
             return super().forward(ids)
         rows = self.table.dequantize(rows=ids.reshape(-1))
         return rows.to(self._dtype).view(*ids.shape, self.embedding_dim)
 
-    def take_quantized(self, name: str, w: GroupQuantized) -> None:
+    def take_quantized(self, name: str, w: GroupQuantized, device: torch.device | None = None) -> None:
         check_shape(name, w, self.weight.shape)
-        if self._tied_head and not self._tied_head[0].take_tied(w, self.weight):
-            with torch.no_grad():
-                self.weight.copy_(w.dequantize())
+        device = self.weight.device if device is None else device
+        if self._tied_head and not self._tied_head[0].take_tied(w, self.weight.dtype, device):
+            _copy_dense(self, w, device)
             return
         self.table = w
         self._dtype = self.weight.dtype
@@ -103,25 +126,36 @@ class LMHead(nn.Module):
     def quantized(self) -> bool:
         return self.method is not None
 
-    def take_quantized(self, name: str, w: GroupQuantized) -> None:
+    def take_quantized(self, name: str, w: GroupQuantized, device: torch.device | None = None) -> None:
         check_shape(name, w, self.weight.shape)
-        method = head_method(w, self.weight.device)
+        device = self.weight.device if device is None else device
+        method = head_method(w, device)
         if method is None:
-            with torch.no_grad():
-                self.weight.copy_(w.dequantize())
+            _copy_dense(self, w, device)
             return
         self.method, self._dtype = method, self.weight.dtype
         del self.weight
         self.register_parameter("weight", None)
 
-    def take_tied(self, w: GroupQuantized, table: torch.Tensor) -> bool:
-        """Hold the quantized table ``w`` the head is tied to (the embedding's dense ``table``
-        until then) in a method of its own; False where none holds it (see above) or this rank
-        holds only some of its rows."""
+    def take_tied(self, w: GroupQuantized, dtype: torch.dtype, device: torch.device) -> bool:
+        """Hold the quantized table ``w`` the head is tied to (the embedding's, in ``dtype``
+        until then) in a method of its own on ``device``; False where none holds it (see above) or
+        this rank holds only some of its rows."""
         if self.rows != self.vocab_size:
             return False
-        method = head_method(w, table.device)
+        method = head_method(w, device)
         if method is None:
             return False
-        self.method, self._dtype = method, table.dtype
+        self.method, self._dtype = method, dtype
         return True
+
+
+def _copy_dense(module: nn.Module, w: GroupQuantized, device: torch.device) -> None:
+    """``module.weight`` = ``w`` dequantized (given storage on ``device`` if it has none yet)."""
+    from ..models.weights import materialize
+
+    weight = module.weight
+    if weight.is_meta:
+        weight = materialize(module, weight, device)
+    with torch.no_grad():
+        weight.copy_(w.dequantize())

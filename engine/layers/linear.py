@@ -418,11 +418,11 @@ class Linear(nn.Linear):
     def quantized(self) -> bool:
         return self.method is not None
 
-    def take_quantized(self, name: str, w: GroupQuantized) -> None:
-        """Hold ``w`` (checkpoint tensor ``name``, this module's weight) kept quantized: its
-        method replaces the dense parameter."""
+    def take_quantized(self, name: str, w: GroupQuantized, device: torch.device | None = None) -> None:
+        """Hold ``w`` (checkpoint tensor ``name``, this module's weight) kept quantized on
+        ``device`` (default: the weight's): its method replaces the dense parameter."""
         check_shape(name, w, self.weight.shape)
-        self.method = quantized_method(w, self.weight.device)
+        self.method = quantized_method(w, self.weight.device if device is None else device)
         del self.weight
         self.register_parameter("weight", None)
 

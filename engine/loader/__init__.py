@@ -42,7 +42,8 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
-               weights: str = "auto", mtp: bool = False, vision: bool = False, shard=None) -> CausalLM:
+               weights: str = "auto", mtp: bool = False, vision: bool = False, shard=None,
+               embedding_host: bool = False, head_bits: int = 8) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
     (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0, GPTQ / AWQ
@@ -54,7 +55,13 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     in ``dtype``, never quantized); without it ``model.visual`` is None. ``shard``: one
     tensor-parallel rank's part (a ``parallel.Sharder``: its layers built from
     ``parallel.shard_config``, only its slices of the checkpoint read; quantized formats
-    dequantized whole first, ``weights`` "auto" on a quantized checkpoint refused)."""
+    dequantized whole first, ``weights`` "auto" on a quantized checkpoint refused).
+    ``embedding_host``: the token embedding's table in pinned host memory, read in place by the
+    GPU's lookups (``layers/embedding.py``). ``head_bits``: with "int8" / "int4" off the CPU, the
+    untied LM head's groups (8, or 4 where the card has no room for 8).
+
+    Parameters take device memory only as the checkpoint gives them (``build_model(lazy=True)``),
+    so a projection held quantized never has a dense copy on the device."""
     from ..engine_config import QUANTIZED_AT_LOAD, WEIGHT_FORMATS
     from ..models.registry import build_model
 
@@ -73,14 +80,16 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
             raise ValueError(f"{ckpt.source} holds quantized weights, which tensor parallelism splits only "
                              "dequantized: serve it with --weights dense")
         config = shard_config(config, shard.world)
-    model = build_model(config, dtype=dtype, device=device, mtp=mtp)
+    model = build_model(config, dtype=dtype, device=device, mtp=mtp, lazy=True)
+    if embedding_host:
+        model.model.embed_tokens.hold_on_host()
     source = ckpt.weights() if not mtp else chain(ckpt.weights(), ckpt.mtp_weights())
     if shard is not None:
         source = ckpt.sliced_weights(shard) if ckpt.sliced_weights is not None else \
             ((name, shard(name, tensor)) for name, tensor in ckpt.weights())
     if weights in QUANTIZED_AT_LOAD:
         keep = True
-        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device))
+        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device), head_bits)
     elif keep:
         quantized = ckpt.quantized_weights()
         tensors = placed_quantized(model, quantized if not mtp else chain(quantized, ckpt.mtp_weights()),
@@ -140,12 +149,13 @@ def _holds_quantized(model: CausalLM, name: str, w: GroupQuantized, device: torc
 
 
 def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]],
-                      bits: int, device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, Any]]:
+                      bits: int, device: torch.device = torch.device("cpu"), head_bits: int = 8
+                      ) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
     ``bits`` (``linear.quantize_rtn``) where a method on ``device`` takes its shape
-    (``linear.method_fits``), and off the CPU the LM head's to 8 bits (sampling reads its logits:
-    4 bits there cost more than they save); every other tensor (norms, embeddings, routers, MoE
-    experts) as it is."""
+    (``linear.method_fits``), and off the CPU the untied LM head's to ``head_bits`` (8 by
+    default: sampling reads its logits; 4 where a card has no room for 8); every other tensor
+    (norms, embeddings, routers, MoE experts) as it is."""
     from ..layers.linear import quantize_rtn
 
     for name, tensor in weights:
@@ -160,7 +170,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
                 yield name, q
                 continue
         if isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu":
-            q = quantize_rtn(tensor, 8)
+            q = quantize_rtn(tensor, head_bits)
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue

@@ -44,7 +44,8 @@ def _pick(module, family: str) -> type[CausalLM]:
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp: bool = False
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp: bool = False,
+    lazy: bool = False,
 ) -> CausalLM:
     """An uninitialised model of ``dtype`` on ``device``, in eval mode; call ``load_weights`` next.
     ``mtp``: with the MTP head the config counts (``models/mtp.py``); without it the model's
@@ -52,11 +53,19 @@ def build_model(
 
     The modules are created on the ``meta`` device (no memory, no random init) and then given
     empty storage on ``device``, so parameter values are garbage until the checkpoint is loaded.
+    ``lazy``: the parameters stay on ``meta`` and each takes its storage on ``device`` when the
+    checkpoint gives it (``weights.load_parameters``), so a weight held quantized never has a
+    dense copy on the device (the 27B's bf16 matrices would take 54 GB before their 4-bit
+    forms replaced them).
     """
     if not mtp and config.mtp_layers:
         config = replace(config, mtp_layers=0)
     cls = model_class(config.family)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if lazy:
+        model.load_device = torch.device(device)
+    else:
+        model = model.to_empty(device=device)
     return model.eval().requires_grad_(False)

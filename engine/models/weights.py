@@ -23,9 +23,11 @@ def load_parameters(
 
     A ``GroupQuantized`` tensor goes to its module's ``take_quantized`` (``layers/linear.py``),
     which keeps it quantized in place of the dense parameter; a module without one (a norm, a
-    router) refuses it by name.
+    router) refuses it by name. A parameter still on ``meta`` (``build_model(lazy=True)``) takes
+    its storage on ``module.load_device`` as its tensor arrives.
     """
     params = dict(module.named_parameters())
+    device = getattr(module, "load_device", None)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
@@ -39,7 +41,7 @@ def load_parameters(
             if name in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} given twice")
             if isinstance(tensor, GroupQuantized):
-                _place_quantized(module, name, tensor)
+                _place_quantized(module, name, tensor, param.device if device is None else device)
                 loaded.add(name)
                 continue
             if tuple(tensor.shape) != tuple(param.shape):
@@ -47,6 +49,8 @@ def load_parameters(
                     f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                     f"model {tuple(param.shape)}"
                 )
+            if param.is_meta and device is not None:
+                param = materialize(module, param, device)
             param.copy_(tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
@@ -55,11 +59,24 @@ def load_parameters(
         raise ValueError(f"checkpoint is missing parameters: {shown}")
 
 
-def _place_quantized(module: nn.Module, name: str, tensor: GroupQuantized) -> None:
+def materialize(module: nn.Module, param: nn.Parameter, device: torch.device | None) -> nn.Parameter:
+    """``param`` (on ``meta``) given uninitialised storage on ``device``, in every submodule of
+    ``module`` that holds it."""
+    if device is None:
+        raise ValueError("a parameter on the meta device and no load_device to place it on")
+    new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for key, p in sub._parameters.items():
+            if p is param:
+                sub._parameters[key] = new
+    return new
+
+
+def _place_quantized(module: nn.Module, name: str, tensor: GroupQuantized, device: torch.device) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     take = getattr(owner, "take_quantized", None)
     if attr != "weight" or take is None:
         raise ValueError(f"checkpoint tensor {name!r} is {tensor.kind}-quantized, and "
                          f"{type(owner).__name__} takes only dense weights")
-    take(name, tensor)
+    take(name, tensor, device)

@@ -84,6 +84,15 @@ def test_norm_kernels():
     assert rel_err(silu_mul_triton(g, u), torch.nn.functional.silu(g) * u) < 1e-5
 
 
+def test_host_embedding_rows():
+    """The lookup ``--embedding-host`` runs on the GPU: rows of a table wider than one block."""
+    from ninfer.engine.layers.embedding_triton import host_embedding_triton
+
+    table = torch.randn(300, 1500)
+    ids = torch.tensor([[299, 0, 5], [5, 123, 7]])
+    assert torch.equal(host_embedding_triton(table, ids), torch.nn.functional.embedding(ids, table))
+
+
 @pytest.mark.parametrize("m, n, k, tiles", [
     (1, 37, 100, None),  # the default tiles: one ragged K chunk, a ragged last row block
     (3, 37, 300, {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 2}),  # ragged N and K, M padded to 4
