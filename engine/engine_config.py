@@ -25,6 +25,9 @@ QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
 SPEC_MODES = ("off", "ngram", "mtp")
 # the Gated DeltaNet recurrent state's element type in its slots (``--state-dtype``)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the untied LM head's groups when the projections are quantized at load on a GPU (``--head-weights``):
+# "auto" 8 bits; "int4" where a card has no room for 8 (the 27B's head: 1.3 GB in 8 bits, 0.7 in 4)
+HEAD_WEIGHTS = {"auto": 8, "int8": 8, "int4": 4}
 MAX_DRAFT_TOKENS = 8
 MAX_MTP_DRAFT_TOKENS = 5
 MAX_NGRAM = 8
@@ -58,6 +61,13 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     weights: str = "auto"  # one of WEIGHT_FORMATS
+    head_weights: str = "auto"  # one of HEAD_WEIGHTS (with weights int8 / int4 on a GPU)
+    # the token embedding's table in pinned host memory, its rows read in place by the GPU's
+    # lookups (``layers/embedding.py``): the 27B's 2.5 GB off the card
+    embedding_host: bool = False
+    # the most GPU memory this process takes, in GiB (torch's per-process memory fraction; None:
+    # the whole card): what the KV pool is sized against, and a limit the allocator holds to
+    gpu_memory_gib: float | None = None
     # speculative decoding: drafts of up to ``draft_tokens`` tokens per decoding request, each
     # checked by the model in the step that runs it (``spec.py``); "ngram" takes them from the
     # latest earlier place where the sequence's last ``ngram_max`` .. ``ngram_min`` tokens occur
@@ -99,6 +109,13 @@ class EngineConfig:
              "must be between 0 and 1024"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
+            ("head_weights", self.head_weights in HEAD_WEIGHTS, f"must be one of {', '.join(HEAD_WEIGHTS)}"),
+            ("head_weights", self.head_weights == "auto" or self.weights in QUANTIZED_AT_LOAD and self.on_gpu,
+             "applies to weights quantized at load on a GPU (--weights int8 / int4 with a CUDA device)"),
+            ("embedding_host", not self.embedding_host or self.on_gpu and self.tensor_parallel == 1,
+             "needs a CUDA device and no tensor parallelism (on the CPU the table is in host memory already)"),
+            ("gpu_memory_gib", self.gpu_memory_gib is None or self.gpu_memory_gib > 0 and self.on_gpu,
+             "must be > 0, with a CUDA device"),
             ("spec", self.spec in SPEC_MODES, f"must be one of {', '.join(SPEC_MODES)}"),
             ("draft_tokens", 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS, f"must be between 1 and {MAX_DRAFT_TOKENS}"),
             ("draft_tokens", self.spec != "mtp" or self.draft_tokens <= MAX_MTP_DRAFT_TOKENS,
@@ -127,6 +144,14 @@ class EngineConfig:
         if self.host_cache_mib:
             raise ValueError(f"{tp} keeps no host copies of the caches (prefix checkpoints, paused requests): "
                              "serve with --host-cache-mib 0")
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    @property
+    def head_bits(self) -> int:
+        return HEAD_WEIGHTS[self.head_weights]
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:

@@ -15,15 +15,33 @@ DEVICE_FRACTION = 0.90  # of free GPU memory after weights, for state slots + KV
 HOST_FRACTION = 0.25  # of available RAM when running on the CPU
 
 
-def free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device, cap_gib: float | None = None) -> int:
+    """What the caches may take of the memory left on ``device``; on a GPU under a cap
+    (``EngineConfig.gpu_memory_gib``) what the cap leaves beside this process's allocations."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        if cap_gib is not None:
+            free = min(free, int(cap_gib * (1 << 30)) - torch.cuda.memory_reserved(device))
         return int(free * DEVICE_FRACTION)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         avail = 8 << 30
     return int(avail * HOST_FRACTION)
+
+
+def apply_memory_cap(config: EngineConfig) -> None:
+    """Hold this process's GPU allocations to ``config.gpu_memory_gib`` (torch's per-process
+    memory fraction), refused at start where the card has less."""
+    if config.gpu_memory_gib is None:
+        return
+    device = torch.device(config.device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(config.gpu_memory_gib * (1 << 30))
+    if cap > total:
+        raise ValueError(f"--gpu-memory-gib {config.gpu_memory_gib:g} is more than the {total / (1 << 30):.1f} GiB "
+                         f"of {torch.cuda.get_device_name(device)}")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
 
 
 def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
@@ -65,7 +83,7 @@ def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> in
     n_attn = sum(t == "full_attention" for t in model.layer_types)
     slots += (config.max_concurrency + 2) * PagedKVPool.bytes_per_write_slot(  # 4-bit keys' write slots
         n_attn, config.page_size, model.num_key_value_heads, model.head_dim, config.kv_storage_dtype, config.dtype)
-    budget = free_memory_bytes(torch.device(config.device)) - slots - workspace_bytes(model, config)
+    budget = free_memory_bytes(torch.device(config.device), config.gpu_memory_gib) - slots - workspace_bytes(model, config)
     wanted = (config.max_concurrency + checkpoints) * config.max_context
     return min(budget // kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size), wanted)
 
@@ -86,7 +104,7 @@ def prefix_checkpoints(model: ModelConfig, config: EngineConfig) -> int:
     n = config.prefix_checkpoints
     if n is None:
         n = max(16, CHECKPOINTS_PER_REQUEST * config.max_concurrency)
-        budget = CHECKPOINT_SLOTS_SHARE * free_memory_bytes(torch.device(config.device))
+        budget = CHECKPOINT_SLOTS_SHARE * free_memory_bytes(torch.device(config.device), config.gpu_memory_gib)
         while n > 16 and n * _slot_bytes(model, config) > budget:
             n //= 2
     per_token = kv_bytes_per_token(model, config.kv_storage_dtype, config.page_size)

@@ -158,6 +158,9 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         device=device,
         dtype=dtype,
         weights=args.weights,
+        head_weights=args.head_weights,
+        embedding_host=args.embedding_host,
+        gpu_memory_gib=args.gpu_memory_gib,
         spec=args.spec,
         draft_tokens=args.draft_tokens,
         ngram_min=args.ngram_min,
@@ -229,10 +232,14 @@ def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_
     """The engine, built under the kernel launch settings of its GPU (``engine/launch.py``), with
     torch's intra-op threads set for this process (``EngineConfig.cpu_threads``); ``shard``:
     tensor parallelism's rank 0, holding its part of the model."""
+    from ..engine.memory import apply_memory_cap
+
     apply_cpu_threads(config)
+    apply_memory_cap(config)
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
     return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
-                                vision=config.vision, shard=shard), tokenizer, config)
+                                vision=config.vision, shard=shard, embedding_host=config.embedding_host,
+                                head_bits=config.head_bits), tokenizer, config)
 
 
 def _join(rendezvous: parallel.Rendezvous, ckpt: Checkpoint,

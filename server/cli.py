@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..engine.cache.kv_quant import KV_DTYPES
-from ..engine.engine_config import MAX_DRAFT_TOKENS, SPEC_MODES, STATE_DTYPES, WEIGHT_FORMATS
+from ..engine.engine_config import HEAD_WEIGHTS, MAX_DRAFT_TOKENS, SPEC_MODES, STATE_DTYPES, WEIGHT_FORMATS
 from .workers import DEFAULT_THREADS
 
 log = logging.getLogger("ninfer.server")
@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "projections kept quantized where a method takes them, on the CPU and the GPU; "
                         "the rest, FP8 ones dequantized, in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
+    p.add_argument("--head-weights", default="auto", choices=list(HEAD_WEIGHTS),
+                   help="the untied LM head under --weights int8 / int4 on a GPU: auto / int8 (8 bits), or int4 "
+                        "where the card has no room for 8 (the 27B's head: 1.3 GB in 8 bits, 0.7 GB in 4)")
+    p.add_argument("--embedding-host", action="store_true",
+                   help="keep the token embedding's table in pinned host memory, its rows read in place by the GPU "
+                        "(the 27B's 2.5 GB off the card, a few KiB over the bus a token); not for tied embeddings")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                   help="the most GPU memory this process takes (torch's per-process limit); the KV cache is sized "
+                        "to what it leaves (default: the whole card)")
     p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
                    help="torch's intra-op threads in the engine's process (default 0: one per core); on a machine "
                         "whose cores the gateway, clients or other work share, fewer can keep the engine's threads "

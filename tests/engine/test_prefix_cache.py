@@ -195,13 +195,13 @@ def test_the_default_keeps_four_checkpoints_per_concurrent_request_as_memory_all
 
     slot = memory._slot_bytes(model, config())
     assert slot > 0
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 1 << 34)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device, cap=None: 1 << 34)
     assert memory.prefix_checkpoints(model, config(max_concurrency=12)) == 48
     assert memory.prefix_checkpoints(model, config(max_concurrency=2)) == 16  # at least 16
     assert memory.prefix_checkpoints(model, config(max_concurrency=12, prefix_checkpoints=5)) == 5
     assert memory.prefix_checkpoints(model, config(max_concurrency=12, prefix_cache=False)) == 0
     # their state slots take at most a quarter of free memory: 48 do not fit in 30 slots' worth
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 4 * 30 * slot)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device, cap=None: 4 * 30 * slot)
     assert memory.prefix_checkpoints(model, config(max_concurrency=12)) == 24
 
 
