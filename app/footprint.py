@@ -33,6 +33,20 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
     return int(params.matrices * bits / 8) + rest
 
 
+def model_weight_bytes(shape: ModelShape, s: "Settings") -> int:
+    """``weight_bytes`` on the device for ``s``: an untied model's token table off it with
+    ``embedding_host``, and its LM head at ``head_bits`` a weight where set (``--head-weights``)."""
+    full = weight_bytes(shape.params, s.weights, s.elt)
+    if shape.config.tie_word_embeddings:
+        return full
+    table = head = shape.params.embeddings // 2
+    per = max(s.elt, 2 if WEIGHT_BITS[s.weights] < 16 else s.elt)
+    saved = table * per if s.embedding_host else 0
+    if s.head_bits is not None:
+        saved += head * per - int(head * s.head_bits / 8)
+    return full - saved
+
+
 KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
 KV4_GROUP = 32  # 4-bit KV values (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
 KV4_KEY_RANGE_BYTES = 4  # 4-bit KV keys: an fp16 step and minimum per channel and page
@@ -78,6 +92,8 @@ class Settings:
     state_elt: int = 4  # bytes of a GDN recurrent state element: 2 for --state-dtype bf16 / fp16
     vision: bool = False  # --vision: the vision tower and its largest image's activations
     checkpoints: int = 0  # prefix checkpoints kept on the device (--prefix-checkpoints): a state slot each
+    embedding_host: bool = False  # --embedding-host: an untied model's token table in host memory
+    head_bits: float | None = None  # bits a weight of an untied LM head held quantized (None: the compute dtype)
 
     @property
     def kv_tokens(self) -> int:
@@ -98,7 +114,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         expanded = 2 * c.num_attention_heads * c.head_dim * 4
         workspace += s.context * (gathered + expanded) + SCORE_BLOCK
     parts = {
-        "weights": weight_bytes(shape.params, s.weights, s.elt),
+        "weights": model_weight_bytes(shape, s),
         "mtp_weights": weight_bytes(shape.mtp_params, s.weights, s.elt) if mtp else 0,
         "kv_pool": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt),
         "mtp_kv": s.kv_tokens * kv_bytes_per_token(shape, s.kv_elt or s.elt, shape.mtp_layers) if mtp else 0,

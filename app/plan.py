@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .footprint import GiB, MiB, Settings, default_checkpoints, footprint, human, margin_bytes, weight_bytes
+from .footprint import (WEIGHT_BITS, GiB, MiB, Settings, default_checkpoints, footprint, human, margin_bytes,
+                        model_weight_bytes, weight_bytes)
 from .model_info import ModelShape
 
 CONTEXT_LADDER = (262144, 196608, 131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096)
@@ -25,6 +26,11 @@ CPU_LANES, CPU_CONTEXT, CPU_PREFILL = 4, 8192, 512
 # costs under 0.5% perplexity, a bf16 state rounds once a step, 4-bit KV under 3%
 KV_CHOICES = ((None, 4), (1, 4), (1, 2), (0.5, 4), (0.5, 2))
 KV_FLAGS = {1: "fp8", 0.5: "4bit"}
+# device prefix checkpoints kept where the usual number (``footprint.default_checkpoints``) leaves
+# less context: a returning turn then comes back from the host tier more often
+FEW_CHECKPOINTS = 4
+# an untied LM head quantized at load on a GPU: 8 bits (the server's default), 4 where 8 leave less context
+HEAD_BITS_DEFAULT, HEAD_BITS_SMALL = WEIGHT_BITS["int8"], WEIGHT_BITS["4bit"]
 
 
 class DoesNotFit(ValueError):
@@ -85,7 +91,9 @@ class Plan:
                 + (["--weights", self.quantize] if self.quantize else [])
                 + (["--kv-dtype", KV_FLAGS[s.kv_elt]] if s.kv_elt in KV_FLAGS else [])
                 + (["--state-dtype", "bf16"] if s.state_elt == 2 else [])
-                + (["--prefix-checkpoints", str(s.checkpoints)] if s.checkpoints else []))
+                + (["--prefix-checkpoints", str(s.checkpoints)] if s.checkpoints else [])
+                + (["--embedding-host"] if s.embedding_host else [])
+                + (["--head-weights", "int4"] if s.head_bits == HEAD_BITS_SMALL else []))
 
     def describe(self) -> str:
         s = self.settings
@@ -93,7 +101,9 @@ class Plan:
                  f"  {s.lanes} lane(s) x {s.context:,} tokens, KV pool {s.kv_tokens:,} tokens, "
                  f"prefill chunk {s.prefill_chunk}, drafts {s.drafts}, weights {s.weights}, "
                  f"KV {KV_FLAGS.get(s.kv_elt, 'bf16' if s.elt == 2 else 'fp32')}, "
-                 f"state {'bf16' if s.state_elt == 2 else 'fp32'}, checkpoints {s.checkpoints}  [{self.source}]"]
+                 f"state {'bf16' if s.state_elt == 2 else 'fp32'}, checkpoints {s.checkpoints}"
+                 + (", token table in host memory" if s.embedding_host else "")
+                 + (", LM head 4-bit" if s.head_bits == HEAD_BITS_SMALL else "") + f"  [{self.source}]"]
         lines += [f"  {k:13s} {human(v)}" for k, v in self.parts.items() if v]
         lines.append(f"  {'total':13s} {human(self.total)} + margin {human(self.margin)}")
         lines += [f"  - {r}" for r in self.reasons]
@@ -115,6 +125,26 @@ QUANTIZE_AT_LOAD = ("int8", "4bit")  # what a dense checkpoint can be quantized 
 SERVER_WEIGHTS = {"int8": "int8", "4bit": "int4"}  # ninfer-serve --weights for a dense checkpoint
 
 
+def _room_makers(shape: ModelShape, device: Device, s: Settings, formats: bool = True
+                 ) -> list[tuple[bool, float | None]]:
+    """Ways to hold an untied model's token table and LM head, in the order tried: as they are;
+    the table in host memory (``--embedding-host``: a few KiB over the bus a token, nothing
+    else); and, where the head is quantized at load, the head in 4 bits. Without ``formats``
+    (lanes the plan adds on its own) only the first."""
+    makers = [(False, s.head_bits)]
+    if device.cuda and not shape.config.tie_word_embeddings and formats:
+        makers.append((True, s.head_bits))
+        if s.head_bits is not None and formats:
+            makers.append((True, HEAD_BITS_SMALL))
+    return makers
+
+
+def _compact(shape: ModelShape, device: Device, s: Settings) -> Settings:
+    """``s`` with the table and head held as small as ``_room_makers`` allows."""
+    host, head = _room_makers(shape, device, s)[-1]
+    return replace(s, embedding_host=host, head_bits=head)
+
+
 def _fits(shape: ModelShape, device: Device, s: Settings) -> bool:
     return sum(footprint(shape, s).values()) + margin_bytes(device.total, device.cuda) <= device.free
 
@@ -133,9 +163,16 @@ def _auto_drafts(shape: ModelShape, device: Device, lanes: int) -> int:
     return 4 if lanes == 1 else 3  # seed 003: 4 drafts at one request, 3 beside others
 
 
+def _head_bits(shape: ModelShape, device: Device, weights: str) -> float | None:
+    """The untied LM head's bits a weight as the server holds it: 8 where a dense checkpoint's
+    projections are quantized at load on a GPU, else the compute dtype (None)."""
+    untied = not shape.config.tie_word_embeddings
+    return HEAD_BITS_DEFAULT if device.cuda and shape.dense and weights in SERVER_WEIGHTS and untied else None
+
+
 def _auto_chunk(shape: ModelShape, device: Device, base: Settings) -> int:
     """The largest chunk whose activations take at most 5% of what is left after the weights."""
-    room = device.free - margin_bytes(device.total, device.cuda) - footprint(shape, base)["weights"]
+    room = device.free - margin_bytes(device.total, device.cuda) - footprint(shape, _compact(shape, device, base))["weights"]
     per_token = (8 * shape.config.hidden_size + 3 * max(shape.config.intermediate_size,
                  shape.config.moe_intermediate_size * max(shape.config.num_experts_per_tok, 1))) * base.elt
     for chunk in PREFILL_LADDER:
@@ -154,8 +191,9 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
                          f"--weights {want.weights} quantizes dense (bf16 / fp16 / fp32) checkpoints only")
     if want.weights is None and device.cuda and shape.dense:  # too big as it is: quantized at load
         for fmt in QUANTIZE_AT_LOAD:
-            if _fits(shape, device, Settings(1, MIN_CONTEXT, PREFILL_LADDER[-1], 0, weights, elt, True,
-                                             vision=want.vision)):
+            trial = Settings(1, MIN_CONTEXT, PREFILL_LADDER[-1], 0, weights, elt, True, vision=want.vision,
+                             head_bits=_head_bits(shape, device, weights))
+            if _fits(shape, device, _compact(shape, device, trial)):
                 break
             reasons.append(f"weights {fmt}: {human(weight_bytes(shape.params, weights, elt))} at {weights} "
                            f"leaves no room on {device.name}")
@@ -165,7 +203,8 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
     if want.vision and not shape.vision_params:
         reasons.append("--vision: the model has no vision tower (the server refuses it)")
     base = Settings(lanes=want.lanes or 1, context=MIN_CONTEXT, prefill_chunk=want.prefill_chunk or 512,
-                    drafts=0, weights=weights, elt=elt, cuda=device.cuda, vision=want.vision)
+                    drafts=0, weights=weights, elt=elt, cuda=device.cuda, vision=want.vision,
+                    head_bits=_head_bits(shape, device, weights))
     if not device.cuda and want.lanes is None and want.context is None:
         base = replace(base, lanes=CPU_LANES, prefill_chunk=want.prefill_chunk or CPU_PREFILL)
         cap = min(cap, CPU_CONTEXT)
@@ -203,6 +242,13 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
         if s.kv_elt in KV_FLAGS or s.state_elt == 2:
             reasons.append(f"KV {KV_FLAGS.get(s.kv_elt, 'bf16')}, state {'bf16' if s.state_elt == 2 else 'fp32'}: "
                            f"the context {'the model allows' if s.context == cap else 'that fits'} needs it")
+        if s.checkpoints and s.checkpoints == FEW_CHECKPOINTS < default_checkpoints(shape, s, device.free):
+            reasons.append(f"{FEW_CHECKPOINTS} prefix checkpoints on the device (the rest in host memory): "
+                           "the context needs the room")
+        if s.embedding_host:
+            reasons.append("the token table in host memory (--embedding-host)"
+                           + (" and the LM head in 4 bits (--head-weights int4)" if s.head_bits == HEAD_BITS_SMALL else "")
+                           + ": the context needs the room")
         return _finish(shape, device, s, "plan", reasons)
     raise DoesNotFit(_what_fits(shape, device, want, weights, chunk))
 
@@ -213,22 +259,25 @@ def _best_for_lanes(shape: ModelShape, device: Device, base: Settings, cap: int,
     cache and the GDN state (``KV_CHOICES`` on a GPU, in order; the first that reaches ``cap``
     wins; ``formats`` False: the first only), the most drafts that keep the most context, and the
     device prefix checkpoints the engine would keep (``default_checkpoints``), passed to it so that
-    the two agree."""
+    the two agree. Within each, the token table and head as ``_room_makers`` tries them, then
+    again with ``FEW_CHECKPOINTS`` where the usual number leaves less than ``cap``."""
     best: Settings | None = None
-    room = device.free - weight_bytes(shape.params, base.weights, base.elt)
     for kv_elt, state_elt in KV_CHOICES if device.cuda and formats else ((None, 4),):
         if state_elt != 4 and not shape.n_gdn:
             continue
-        held = replace(base, kv_elt=kv_elt, state_elt=state_elt)
-        held = replace(held, checkpoints=default_checkpoints(shape, held, room))
-        for drafts in range(drafts_wanted, -1, -1):
-            ctx = _best_context(shape, device, replace(held, drafts=drafts), cap)
-            if ctx is not None and (best is None or ctx > best.context):
-                best = replace(held, drafts=drafts, context=ctx)
-            if ctx == cap or drafts_fixed:
-                break
-        if best is not None and best.context == cap:
-            break
+        for few in (False, True) if formats else (False,):  # the usual checkpoints first
+            for host, head in _room_makers(shape, device, base, formats):
+                held = replace(base, kv_elt=kv_elt, state_elt=state_elt, embedding_host=host, head_bits=head)
+                usual = default_checkpoints(shape, held, device.free - model_weight_bytes(shape, held))
+                held = replace(held, checkpoints=min(usual, FEW_CHECKPOINTS) if few else usual)
+                for drafts in range(drafts_wanted, -1, -1):
+                    ctx = _best_context(shape, device, replace(held, drafts=drafts), cap)
+                    if ctx is not None and (best is None or ctx > best.context):
+                        best = replace(held, drafts=drafts, context=ctx)
+                    if ctx == cap or drafts_fixed:
+                        break
+                if best is not None and best.context == cap:
+                    return best
     return best
 
 
@@ -239,10 +288,11 @@ def _finish(shape: ModelShape, device: Device, s: Settings, source: str, reasons
 
 
 def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
-    minimal = replace(base, lanes=1, context=MIN_CONTEXT, prefill_chunk=PREFILL_LADDER[-1], drafts=0)
+    minimal = _compact(shape, device, replace(base, lanes=1, context=MIN_CONTEXT, prefill_chunk=PREFILL_LADDER[-1],
+                                              drafts=0))
     if _fits(shape, device, minimal):
         return
-    w = weight_bytes(shape.params, base.weights, base.elt)
+    w = model_weight_bytes(shape, minimal)
     msg = (f"{shape.name} ({shape.params.total / 1e9:.1f} B parameters) needs {human(w)} for its weights at "
            f"{base.weights}, and {device.name} has {human(device.free)} free "
            f"({human(margin_bytes(device.total, device.cuda))} kept back).")
@@ -255,7 +305,7 @@ def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
             options.append(f"{shape.name} with {fmt} weights: 1 request of up to {p.settings.context:,} tokens")
         except DoesNotFit:
             pass
-    per_param = weight_bytes(shape.params, base.weights, base.elt) / shape.params.total
+    per_param = w / shape.params.total
     other = sum(footprint(shape, minimal).values()) - w
     room = device.free - margin_bytes(device.total, device.cuda) - other
     if room > 0:

@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import torch
 
-from ninfer.app.footprint import MiB, kv_bytes_per_token, state_bytes_per_lane, weight_bytes
+from ninfer.app.footprint import MiB, kv_bytes_per_token, model_weight_bytes, state_bytes_per_lane, weight_bytes
 from ninfer.app.model_info import shape_from_dict
 from ninfer.app.plan import MIN_CONTEXT, Device, DoesNotFit, Want, make_plan
 from ninfer.app.presets import Preset, load_presets
@@ -84,7 +84,12 @@ def test_every_plan_fits_or_is_refused_with_what_fits(name, weights, gb):
             continue
         assert plan.total + plan.margin <= device.free, plan.describe()
         assert plan.margin >= 512 * MiB
-        assert plan.parts["weights"] == weight_bytes(shape.params, weights, 2)
+        # the weights as the server holds them: at most the format's bytes, less where the
+        # token table is in host memory or the LM head in 4 bits
+        held = model_weight_bytes(shape, plan.settings)
+        assert plan.parts["weights"] == held <= weight_bytes(shape.params, weights, 2)
+        assert (held < weight_bytes(shape.params, weights, 2)) == (plan.settings.embedding_host
+                                                                     or plan.settings.head_bits is not None)
         s = plan.settings
         assert s.lanes == lanes and MIN_CONTEXT <= s.context <= shape.max_context
         assert s.kv_tokens >= s.lanes * s.context
@@ -106,7 +111,7 @@ def test_refusal_names_what_would_fit():
     with pytest.raises(DoesNotFit) as info:
         make_plan(SHAPES["Qwen3.5-27B"], gpu(24), Want(weights="bf16"))
     msg = str(info.value)
-    assert "50.1 GiB" in msg and "4bit weights: 1 request of up to" in msg
+    assert "47.7 GiB" in msg and "4bit weights: 1 request of up to" in msg  # 50.1 GiB, its token table in host memory
     with pytest.raises(DoesNotFit) as info:
         make_plan(SHAPES["Qwen3.5-9B"], gpu(24), Want(lanes=8, context=262144))
     assert "What would fit: " in str(info.value) and "request(s) of up to" in str(info.value)
@@ -201,24 +206,47 @@ def test_vision_tower_counted_and_planned_with_vision():
 
 
 def test_a_16_gb_card_holds_the_9b_at_its_whole_context_with_a_smaller_kv_cache():
-    """One request of the 9B on an RTX 5060 Ti: the KV cache in 4 bits (8-bit weights) or fp8
-    (4-bit weights) is what lets the model's 262,144 tokens fit; the server is told so, and the
+    """One request of the 9B on an RTX 5060 Ti: its token table in host memory, and with 8-bit
+    weights the KV cache in fp8, is what lets the model's 262,144 tokens fit (before the table
+    moved: 4-bit KV with 8-bit weights, fp8 with 4-bit ones); the server is told so, and the
     device prefix checkpoints the plan counted."""
     from ninfer.server.cli import build_parser
 
     shape = SHAPES["Qwen3.5-9B"]
-    for weights, kv in ((None, "4bit"), ("4bit", "fp8")):
+    for weights, kv in ((None, "fp8"), ("4bit", "auto")):
         plan = make_plan(shape, gpu(16), Want(lanes=1, weights=weights))
         s = plan.settings
         assert s.context == 262144 and plan.total + plan.margin <= gpu(16).free, plan.describe()
         args = build_parser().parse_args(plan.server_args())
         assert args.kv_dtype == kv and args.prefix_checkpoints == s.checkpoints == 16
+        assert args.embedding_host and args.head_weights == "auto"
         moving = min(4, max(1, s.checkpoints // 4))  # their copies to host in flight
         assert plan.parts["checkpoints"] == (s.checkpoints + moving) * state_bytes_per_lane(shape, 2, s.state_elt)
     # where the context fits as it is, nothing is made smaller
     plan = make_plan(shape, gpu(80), Want(lanes=1))
     assert plan.settings.context == 262144 and (plan.settings.kv_elt, plan.settings.state_elt) == (None, 4)
     assert "--kv-dtype" not in plan.server_args() and "--state-dtype" not in plan.server_args()
+
+
+def test_the_27b_on_a_16_gb_card():
+    """The 27B in bf16 (50 GiB) on an RTX 5060 Ti: 4-bit weights, the token table in host memory,
+    the LM head in 4 bits, 4-bit KV, a bf16 state and four device checkpoints, each of which buys
+    context (before: refused, its 16.8 GiB of weights counted with the table and a 16-bit head);
+    the server's command carries every one of them. Under a 16 GiB cap (an H200 held to 16 GiB,
+    no desktop) the same plan reaches 64K."""
+    from ninfer.server.cli import build_parser
+
+    shape = SHAPES["Qwen3.5-27B"]
+    plan = make_plan(shape, gpu(16))
+    s = plan.settings
+    assert (s.weights, s.kv_elt, s.state_elt, s.embedding_host, s.checkpoints) == ("4bit", 0.5, 2, True, 4)
+    assert s.lanes == 1 and s.context >= 49152 and plan.total + plan.margin <= gpu(16).free
+    assert plan.parts["weights"] < 12.8 * (1 << 30)
+    args = build_parser().parse_args(plan.server_args())
+    assert (args.weights, args.head_weights, args.kv_dtype, args.state_dtype) == ("int4", "int4", "4bit", "bf16")
+    assert args.embedding_host and args.prefix_checkpoints == 4
+    capped = make_plan(shape, Device("H200 held to 16 GiB", 16 << 30, 16 << 30, 0))
+    assert capped.settings.context >= 65536
 
 
 def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():
