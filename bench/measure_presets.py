@@ -4,6 +4,11 @@ compare the GPU memory the server took at its peak with what the plan said. Prin
 writes JSON; rows that held go into app/presets.json by hand, with the note it prints.
 
     python -m ninfer.bench.measure_presets --shape Qwen3.5-0.8B --lanes 1,4 --prompt-tokens 32768
+    python -m ninfer.bench.measure_presets --shape Qwen3.5-27B --lanes 1 --cap-gib 16,24 --prompt-tokens 131072
+
+``--cap-gib``: plan for the GPU as if it had only that many GiB (no desktop on it), and run the
+server held to them (``--gpu-memory-gib``, torch's per-process memory fraction): the rows of a
+smaller card, measured on a big one.
 """
 from __future__ import annotations
 
@@ -44,14 +49,24 @@ class Peak(threading.Thread):
             time.sleep(0.05)
 
 
-def one(model: Path, lanes: int, prompt_tokens: int, port: int) -> dict:
-    resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port)]))
+def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float | None = None,
+        serve_args: list[str] = ()) -> dict:
+    extra = ([] if cap_gib is None else ["--gpu-memory-gib", f"{cap_gib:g}"]) + list(serve_args)
+    probed = None
+    if cap_gib is not None:
+        from ..app.gpu_probe import GpuInfo, Probe
+
+        real = probe().best()
+        held = int(cap_gib * GiB)
+        probed = Probe([GpuInfo(real.index, f"{real.name} held to {cap_gib:g} GiB", held, held, real.compute_capability)])
+    resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port), *extra]),
+                       probe_result=probed)
     plan = resolved.plan
     peak = Peak(plan.device.index)
     peak.start()
     server = subprocess.Popen(resolved.command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-    row = {"lanes": lanes, "context": plan.settings.context, "prefill_chunk": plan.settings.prefill_chunk,
+    row = {"lanes": lanes, "cap_gib": cap_gib, "context": plan.settings.context, "prefill_chunk": plan.settings.prefill_chunk,
            "drafts": plan.settings.drafts, "kv_tokens": plan.settings.kv_tokens, "plan_bytes": plan.total,
            "free_before": plan.device.free, "command": resolved.command}
     try:
@@ -63,7 +78,11 @@ def one(model: Path, lanes: int, prompt_tokens: int, port: int) -> dict:
             except httpx.HTTPError:
                 time.sleep(0.5)
         row["started_s"] = round(time.monotonic() - (deadline - 300), 1)
-        tokens = min(prompt_tokens, plan.settings.context - 64)
+        context, given = plan.settings.context, list(serve_args)
+        if "--max-context" in given:  # a context given by hand replaces the plan's
+            context = int(given[given.index("--max-context") + 1])
+            row["context"] = context
+        tokens = min(prompt_tokens, context - 64)
         body = {"model": "m", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "user", "content": "hello " * (tokens - 32)}]}
 
@@ -99,19 +118,23 @@ def main() -> int:
     p.add_argument("--checkpoint", default="/tmp/ninfer-random-ckpt")
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--out", default="bench/results/presets.json")
+    p.add_argument("--serve-args", default="", help="ninfer-serve flags over the plan's (one string)")
+    p.add_argument("--cap-gib", default="", help="comma-separated GiB: plan and run held to each (default: the card)")
     args = p.parse_args()
     result = probe()
     print(result.summary(), flush=True)
     device = plan_device(result)
     model = random_checkpoint(args.shape, Path(args.checkpoint) / args.shape)
     rows = []
-    for lanes in (int(x) for x in args.lanes.split(",")):
-        row = one(model, lanes, args.prompt_tokens, args.port)
+    caps = [float(x) for x in args.cap_gib.split(",") if x] or [None]
+    for cap, lanes in ((c, n) for c in caps for n in (int(x) for x in args.lanes.split(","))):
+        row = one(model, lanes, args.prompt_tokens, args.port, cap, args.serve_args.split())
         rows.append(row)
-        print(f"{args.shape} lanes {lanes}: context {row['context']:,} chunk {row['prefill_chunk']} drafts "
+        print(f"{args.shape} {'' if cap is None else f'held to {cap:g} GiB, '}lanes {lanes}: context {row['context']:,} chunk {row['prefill_chunk']} drafts "
               f"{row['drafts']} | plan {row['plan_bytes'] / GiB:.1f} GiB, peak {row['peak_bytes'] / GiB:.1f} GiB, "
               f"prompts {row.get('prompt_tokens')} in {row.get('requests_s')} s -> {'held' if row['fits'] else 'NO'}",
               flush=True)
+        print("  " + " ".join(row["command"]), flush=True)
         if row["log_tail"]:
             print(row["log_tail"], flush=True)
     out = Path(args.out)

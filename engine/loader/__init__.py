@@ -165,12 +165,12 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
         except AttributeError:
             module = None
         if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
-            q = quantize_rtn(tensor, bits)
+            q = quantize_rtn(tensor.to(device), bits)  # on the GPU: the 27B's matrices in seconds
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
         if isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu":
-            q = quantize_rtn(tensor, head_bits)
+            q = quantize_rtn(tensor.to(device), head_bits)
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
