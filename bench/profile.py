@@ -74,10 +74,11 @@ def mixed_step(engine, cfg, rows: int, tokens: int, top: int) -> None:
             engine.step()
             host_s = time.perf_counter() - t0
             _sync()
-        if any(not r.output_ids for r in reqs):
-            raise SystemExit(f"{rows} prompts of {tokens} did not fit one step (--max-batched-tokens)")
-        for r in reqs:
-            engine.abort(r.request_id)
+        if any(r.num_computed < tokens for r in reqs):  # every prompt computed in that one step
+            raise SystemExit(f"{rows} prompts of {tokens} did not fit one step: "
+                             f"{[r.num_computed for r in reqs]} tokens computed")
+        while any(not r.is_finished for r in reqs):
+            engine.step()
     events = prof.key_averages()
     cpu_us = sum(e.self_cpu_time_total for e in events)
     gpu_us = sum(_self_us(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
