@@ -134,7 +134,7 @@ def _room_makers(shape: ModelShape, device: Device, s: Settings, formats: bool =
     makers = [(False, s.head_bits)]
     if device.cuda and not shape.config.tie_word_embeddings and formats:
         makers.append((True, s.head_bits))
-        if s.head_bits is not None and formats:
+        if s.head_bits is not None:
             makers.append((True, HEAD_BITS_SMALL))
     return makers
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from ..app.gpu_probe import plan_device, probe
-from ..app.launch import child_env, parse_options, resolve
+from ..app.launch import child_env, parse_options, read_serve_args, resolve
 from ..app.plan import GiB
 from .shapes import random_checkpoint
 
@@ -78,11 +78,8 @@ def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float |
             except httpx.HTTPError:
                 time.sleep(0.5)
         row["started_s"] = round(time.monotonic() - (deadline - 300), 1)
-        context, given = plan.settings.context, list(serve_args)
-        if "--max-context" in given:  # a context given by hand replaces the plan's
-            context = int(given[given.index("--max-context") + 1])
-            row["context"] = context
-        tokens = min(prompt_tokens, context - 64)
+        row["context"] = read_serve_args(list(serve_args)).max_context or plan.settings.context  # by hand, or planned
+        tokens = min(prompt_tokens, row["context"] - 64)
         body = {"model": "m", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "user", "content": "hello " * (tokens - 32)}]}
 
