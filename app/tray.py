@@ -280,15 +280,22 @@ class TrayIcon:
         """pystray's X backend has no menus: show ours as a popup in its own process."""
         import json
 
-        entries = self.app.entries()
-        proc = subprocess.run([sys.executable, "-m", "ninfer.app.popup_menu"], capture_output=True, text=True,
-                              input=json.dumps([e.to_json() for e in entries]), timeout=600)
-        chosen = proc.stdout.strip()
-        if chosen:
-            path = tuple(int(p) for p in chosen.split("/"))
-            entry = dict(walk(entries)).get(path)
-            if entry is not None:
-                self._run(entry)
+        log = logging.getLogger("ninfer.app")
+        try:  # this runs in pystray's event loop: an exception here would end the loop (a dead icon)
+            entries = self.app.entries()
+            proc = subprocess.run([sys.executable, "-m", "ninfer.app.popup_menu"], capture_output=True, text=True,
+                                  input=json.dumps([e.to_json() for e in entries]), timeout=600)
+            if proc.returncode:
+                log.error("the tray menu failed (exit %d): %s", proc.returncode, proc.stderr.strip()[-2000:])
+                return
+            chosen = proc.stdout.strip()
+            if chosen:
+                path = tuple(int(p) for p in chosen.split("/"))
+                entry = dict(walk(entries)).get(path)
+                if entry is not None:
+                    self._run(entry)
+        except Exception:
+            log.exception("the tray menu failed")
 
     def refresh(self) -> None:
         """Have the icon, title and menu follow the app's status. Called from the supervisor's
@@ -312,4 +319,8 @@ class TrayIcon:
             self.icon.update_menu()
 
     def run(self) -> None:
+        if not self.has_menu and hasattr(self.icon, "_window"):
+            # pystray's X backend records its loop's thread only after it has released the setup
+            # thread, whose first call (showing the icon) reads it: set it first, as the loop will
+            self.icon._thread = threading.current_thread()  # noqa: SLF001
         self.icon.run(setup=lambda icon: (setattr(icon, "visible", True), self.app.start(), self.refresh()))

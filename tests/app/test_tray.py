@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,15 +47,44 @@ def menu_shown(env: dict) -> bool:
     return bool(found.stdout.strip())
 
 
-def open_menu(env: dict, x: str, y: str) -> None:
+def open_menu(env: dict, x: str, y: str, tray: subprocess.Popen) -> None:
     """Click the icon until its menu shows. On a loaded 2-core machine a click that lands while
     the tray is still busy starting can go unanswered; a user clicks again, and so do we (a hung
-    tray still fails: three clicks, 15 s each)."""
+    tray still fails: three clicks, 15 s each, and the failure says where its threads were)."""
     for _ in range(3):
         xdotool(env, "mousemove", x, y, "click", "1")
-        if wait_for(lambda: menu_shown(env), 15.0):
+        if wait_for(lambda: menu_shown(env), 15.0, interval=0.2):  # (each look starts a process)
             return
-    raise AssertionError("the popup menu did not open after three clicks")
+    raise AssertionError(f"the popup menu did not open after three clicks\n{hung_report(tray, env)}")
+
+
+def hung_report(tray: subprocess.Popen, env: dict) -> str:
+    """The windows on the display (class, mapped or not) and the tray's threads' stacks (it dumps
+    them on SIGUSR1, tray_under_x.py), then its output: the tray is killed to read it."""
+    import Xlib.display
+
+    display = Xlib.display.Display(env["DISPLAY"])
+    windows = []
+
+    def walk(w, depth: int) -> None:
+        try:
+            cls, state = w.get_wm_class(), w.get_attributes().map_state
+            windows.append(f"{'  ' * depth}{w.id:#x} class={cls} map_state={state}")
+            for child in w.query_tree().children:
+                walk(child, depth + 1)
+        except Exception as exc:  # a window closing while we look
+            windows.append(f"{'  ' * depth}{w.id:#x} {type(exc).__name__}")
+
+    walk(display.screen().root, 0)
+    display.close()
+    alive = tray.poll() is None
+    if alive:
+        tray.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        tray.kill()
+    output = tray.communicate(timeout=10)[0]
+    return (f"tray {'was running' if alive else f'had exited ({tray.returncode})'}; windows:\n" +
+            "\n".join(windows) + f"\ntray output:\n{output[-6000:]}")
 
 
 def healthy(url: str) -> bool:
@@ -98,7 +128,7 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
             raise AssertionError(f"the stand-in server never answered on port {port}\n{startup_report(tray, tmp_path, app_home)}")
         time.sleep(0.5)  # the icon turns green
 
-        open_menu(env, x, y)
+        open_menu(env, x, y, tray)
         for _ in range(4):  # Open chat, Open monitor, Context, Concurrency (disabled lines are skipped)
             xdotool(env, "key", "Down")
         xdotool(env, "key", "Right")
@@ -115,7 +145,7 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
         xdotool(env, "key", "Escape")
         wait_until(lambda: not menu_shown(env), what="the menu to close")
 
-        open_menu(env, x, y)
+        open_menu(env, x, y, tray)
         xdotool(env, "key", "Down")
         xdotool(env, "key", "Return")
         opened = tmp_path / "opened"
@@ -123,7 +153,7 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
         assert opened.read_text().splitlines() == [f"chat http://127.0.0.1:{port}/"]
 
         wait_until(lambda: not menu_shown(env), what="the menu to close")
-        open_menu(env, x, y)
+        open_menu(env, x, y, tray)
         xdotool(env, "key", "Up")  # wraps to the last entry: Quit
         xdotool(env, "key", "Return")
         assert tray.wait(20) == 0

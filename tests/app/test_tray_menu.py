@@ -150,3 +150,31 @@ def test_chat_window_falls_back_to_the_browser_without_pywebview(monkeypatch):
             proc.kill()
     code = window.main(["http://127.0.0.1:1/"]) if importlib.util.find_spec("webview") is None else None
     assert code in (None, window.NO_WEBVIEW)
+
+
+def test_a_menu_that_fails_is_logged_and_the_icon_keeps_answering(monkeypatch, caplog):
+    """The popup runs inside pystray's event loop: whatever goes wrong there is logged and the
+    next click is answered, never an exception that ends the loop (a dead icon)."""
+    import subprocess
+
+    from ninfer.app.tray import TrayIcon
+
+    class App:
+        calls = 0
+
+        def entries(self):
+            App.calls += 1
+            if App.calls == 1:
+                raise RuntimeError("the plan broke")
+            return []
+
+    icon = object.__new__(TrayIcon)  # no display: the popup's own logic
+    icon.app = App()
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "TclError: no display"))
+    with caplog.at_level("ERROR", logger="ninfer.app"):
+        icon.popup()
+        icon.popup()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("the tray menu failed" in m for m in messages) and caplog.records[0].exc_info[1].args == ("the plan broke",)
+    assert any("exit 1" in m and "TclError: no display" in m for m in messages)
+    assert App.calls == 2

@@ -6,6 +6,8 @@ What the tray opens is appended to STATE_DIR/opened; it exits when Quit is chose
 """
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from ninfer.app.tray import TrayApp, TrayIcon  # noqa: E402
 
 def main() -> int:
     state = Path(sys.argv[1])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where a tray that stopped answering is
     probe = Probe([], note="No usable GPU: no NVIDIA driver is installed. CPU mode with the embedded model.")
     app = TrayApp(AppSettings.load(), probe, Recorder(log=state / "opened"), supervisor_options={"poll_s": 0.05})
     app.command_for = fake_command(state / "fake")

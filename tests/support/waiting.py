@@ -5,13 +5,13 @@ import time
 from typing import Callable
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
-    """Whether ``predicate()`` turned true within ``timeout`` seconds."""
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Whether ``predicate()`` turned true within ``timeout`` seconds, asked every ``interval``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.02)
+        time.sleep(interval)
     return False
 
 
