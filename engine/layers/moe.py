@@ -13,6 +13,11 @@ the post-attention RMSNorm, the router GEMV and the routing are one launch
 (``moe_triton.norm_route_triton``), so norm and block cost three launches with the shared
 expert folded.
 
+With ``--weights int4`` / ``int8`` the experts' two matrices are held quantized
+(``QuantizedExperts``: an int4 product per expert on the CPU; packed for ``moe_quant_triton``'s
+grouped GEMVs and grouped GEMM elsewhere, which read 4-bit experts as a quarter of the bytes),
+the shared expert then running as its own quantized projections.
+
 Checkpoints saved by transformers name experts one by one (``experts.N.gate_proj.weight``, ...);
 :func:`fuse_expert_weights` turns such a stream into the fused names.
 """
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused_linear import fuse_linears
+from .linear import GroupQuantized, Int4CpuMethod, TritonGroupMethod, check_shape, cpu_method_fits
 from .mlp import GatedMLP
 from .triton_switch import on_triton
 
@@ -40,6 +46,51 @@ LOOP_MIN_TOKENS = 4096
 ROUTE_COUNTERS = 64
 
 
+class QuantizedExperts(nn.Module):
+    """One experts matrix ``[E, N, K]`` held in 4 or 8 bits (``linear.GroupQuantized`` over its
+    ``E * N`` rows, groups along ``K``). On the CPU each expert is an ``Int4CpuMethod`` (torch's
+    int4 matmul); elsewhere the matrix is packed for the Triton kernels (``moe_quant_triton``):
+    ``packed`` ``[E, N, K / 2]`` uint8 (4-bit, ``quant_gemv_triton.pack_int4``) or int8 ``[E, N,
+    K]``, ``scale`` and ``offset`` (None: symmetric) fp16 ``[E, N, K / G]``."""
+
+    def __init__(self, w: GroupQuantized, experts: int, device: torch.device, packed: bool | None = None) -> None:
+        """``packed``: held for the Triton kernels (default: off the CPU)."""
+        super().__init__()
+        rows, self.in_features = (int(d) for d in w.shape)
+        self.experts, self.out_features = experts, rows // experts
+        self.group, self.bits = w.group, w.bits
+        n = self.out_features
+        self.per_expert: nn.ModuleList | None = None
+        if not (device.type != "cpu" if packed is None else packed):
+            self.per_expert = nn.ModuleList(Int4CpuMethod.from_groups(w.select_rows(torch.arange(e * n, (e + 1) * n)))
+                                     for e in range(experts))
+            self.packed = self.scale = self.offset = None
+            return
+        from .quant_gemv_triton import pack_int4
+
+        held = pack_int4(w.q) if w.bits == 4 else w.q.to(torch.int8).contiguous()
+        self.register_buffer("packed", held.to(device).view(experts, n, -1), persistent=False)
+        self.register_buffer("scale", w.scale.to(device, torch.float16).view(experts, n, -1), persistent=False)
+        self.register_buffer("offset", None if w.offset is None else
+                             w.offset.to(device, torch.float16).view(experts, n, -1), persistent=False)
+
+    @staticmethod
+    def fits(w: GroupQuantized, experts: int, device: torch.device) -> bool:
+        """Whether ``w`` (``[E * N, K]``) is held this way on ``device``: on the CPU where the int4
+        matmul takes one expert's rows; elsewhere in groups of a power of two of at least 16 columns."""
+        if torch.device(device).type == "cpu":
+            return cpu_method_fits(GroupQuantized(w.q[: w.shape[0] // experts], w.scale[: w.shape[0] // experts],
+                                                  None, w.group, w.bits, w.kind))
+        return w.group >= 16 and not w.group & (w.group - 1)
+
+    def apply(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W[e].T`` for rows ``x`` ``[M, K]``."""
+        if self.per_expert is not None:
+            return self.per_expert[e](x)
+        return TritonGroupMethod(self.packed[e], self.scale[e], None if self.offset is None else self.offset[e],
+                                 self.group)(x)
+
+
 class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -47,6 +98,47 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # the matrices held quantized (take_quantized), in place of the dense parameters
+        self.gate_up_held: QuantizedExperts | None = None
+        self.down_held: QuantizedExperts | None = None
+
+    QUANTIZED = ("gate_up_proj", "down_proj")  # the tensors take_quantized holds
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a matrix is held quantized."""
+        return self.gate_up_held is not None or self.down_held is not None
+
+    @property
+    def kernels_take(self) -> bool:
+        """Whether the Triton kernels take these experts: both dense, or both held packed
+        (``QuantizedExperts.packed``); otherwise they run the torch loop (``forward``)."""
+        held = (self.gate_up_held, self.down_held)
+        return all(h is None for h in held) or all(h is not None and h.packed is not None for h in held)
+
+    def shapes(self) -> dict[str, tuple[int, int, int]]:
+        """``[E, N, K]`` of each matrix, held or not."""
+        e, i = self.num_experts, self.intermediate_size
+        h = self.gate_up_held.in_features if self.gate_up_held is not None else self.gate_up_proj.shape[2]
+        return {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
+
+    def take_quantized(self, name: str, w: GroupQuantized, device: torch.device | None = None,
+                       packed: bool | None = None) -> None:
+        """Hold ``w`` (checkpoint tensor ``name``: this module's ``gate_up_proj`` or ``down_proj``,
+        its ``E * N`` rows) quantized on ``device`` in place of the dense parameter (``packed``:
+        as ``QuantizedExperts`` takes it)."""
+        attr = name.rpartition(".")[2]
+        e, n, k = self.shapes()[attr]
+        check_shape(name, w, torch.Size((e * n, k)))
+        param = getattr(self, attr)
+        setattr(self, attr.removesuffix("_proj") + "_held",
+                QuantizedExperts(w, e, torch.device(device if device is not None else param.device), packed))
+        delattr(self, attr)
+        self.register_parameter(attr, None)
+
+    def _matmul(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        held = getattr(self, attr.removesuffix("_proj") + "_held")
+        return held.apply(e, x) if held is not None else F.linear(x, getattr(self, attr)[e])
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, H]``, ``expert_ids``/``weights`` ``[N, k]`` -> weighted sum of expert outputs."""
@@ -62,8 +154,8 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = token_of[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).split(self.intermediate_size, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            gate, up = self._matmul("gate_up_proj", e, x[rows]).split(self.intermediate_size, dim=-1)
+            y = self._matmul("down_proj", e, F.silu(gate) * up)
             out.index_add_(0, rows, y * weight_of[start : start + count, None].to(y.dtype))
             start += count
         return out
@@ -105,7 +197,7 @@ class SparseMoeBlock(nn.Module):
         shared = self.shared_expert
         if self._shared_folded:
             return True
-        if shared is None or shared.down_proj.bias is not None or \
+        if shared is None or shared.down_proj.bias is not None or self.experts.quantized or \
                 any(getattr(p, "method", None) is not None for p in (shared.gate_proj, shared.up_proj, shared.down_proj)) or \
                 shared.down_proj.weight.shape[1] != self.experts.intermediate_size:
             return False  # (a shared expert held quantized, ``linear.py``, runs on its own)
@@ -123,8 +215,9 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_triton(x) and not (x.shape[0] >= LOOP_MIN_TOKENS and x.is_cuda
-                                 and not torch.cuda.is_current_stream_capturing()):
+        if on_triton(x) and self.experts.kernels_take and not (
+                x.shape[0] >= LOOP_MIN_TOKENS and x.is_cuda and not self.experts.quantized
+                and not torch.cuda.is_current_stream_capturing()):
             return self._forward_kernels(x)
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)
@@ -139,7 +232,8 @@ class SparseMoeBlock(nn.Module):
         residual add, the norm, the router GEMV and the routing run as one launch
         (``moe_triton.norm_route_triton``); otherwise ``norm(x, residual)`` then ``forward``."""
         n = x.shape[0] if x.dim() == 2 else 0
-        if 0 < n and n * (self.top_k + int(self._shared_folded)) <= DECODE_MAX_ASSIGNMENTS and on_triton(x):
+        if 0 < n and n * (self.top_k + int(self._shared_folded)) <= DECODE_MAX_ASSIGNMENTS and on_triton(x) \
+                and self.experts.kernels_take:
             from .moe_triton import norm_route_tiles, norm_route_triton
 
             tiles, count = norm_route_tiles(n), self._counter(x.device)
@@ -178,11 +272,21 @@ class SparseMoeBlock(nn.Module):
         from .moe_gemm_triton import moe_grouped_gemm
         from .moe_triton import moe_down_triton, moe_gate_up_triton
 
+        experts = self.experts
+        if experts.quantized:  # both held packed (kernels_take)
+            from .moe_quant_triton import moe_down_quant, moe_gate_up_quant, moe_grouped_gemm_quant
+
+            if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
+                out = moe_down_quant(moe_gate_up_quant(x, experts.gate_up_held, ids), experts.down_held, ids, weights)
+            else:
+                out = moe_grouped_gemm_quant(x, experts.gate_up_held, experts.down_held, ids, weights)
+            if self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return out
         folded = self._shared_folded
         shared = self.shared_expert if folded else None
         shared_gate_up = None if shared is None else shared._fused
         shared_down = None if shared is None else shared.down_proj.weight
-        experts = self.experts
         if ids.numel() <= DECODE_MAX_ASSIGNMENTS:
             h = moe_gate_up_triton(x, experts.gate_up_proj, shared_gate_up, ids)
             out = moe_down_triton(h, experts.down_proj, shared_down, ids, weights)

@@ -11,6 +11,7 @@ import torch
 
 from ..layers.embedding import LMHead
 from ..layers.linear import GroupQuantized, Linear, method_fits
+from ..layers.moe import FusedExperts, QuantizedExperts
 from ..models.base import CausalLM
 from .checkpoint import Checkpoint, GenerationDefaults
 
@@ -153,11 +154,15 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
                       ) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
     ``bits`` (``linear.quantize_rtn``) where a method on ``device`` takes its shape
-    (``linear.method_fits``), and off the CPU the untied LM head's to ``head_bits`` (8 by
+    (``linear.method_fits``), the MoE experts' to ``bits`` where both their matrices are held so
+    (``moe.QuantizedExperts``), and off the CPU the untied LM head's to ``head_bits`` (8 by
     default: sampling reads its logits; 4 where a card has no room for 8); every other tensor
-    (norms, embeddings, routers, MoE experts) as it is."""
+    (norms, embeddings, routers) as it is."""
     from ..layers.linear import quantize_rtn
+    from ..layers.moe import fuse_expert_weights
 
+    if getattr(model.config, "is_moe", False):  # experts saved one by one come as the fused matrices
+        weights = fuse_expert_weights(weights, model.config.num_experts)
     for name, tensor in weights:
         owner, _, attr = name.rpartition(".")
         try:
@@ -169,9 +174,32 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
+        if isinstance(module, FusedExperts) and attr in module.QUANTIZED and tensor.dim() == 3:
+            q = _experts_at_load(module, attr, tensor, bits, device)
+            if q is not None:
+                yield name, q
+                continue
         if isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu":
             q = quantize_rtn(tensor.to(device), head_bits)
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
         yield name, tensor
+
+
+def _experts_at_load(experts: FusedExperts, attr: str, tensor: torch.Tensor, bits: int,
+                     device: torch.device) -> GroupQuantized | None:
+    """``tensor`` (``[E, N, K]``, one of ``experts``' two matrices) quantized over its ``E * N``
+    rows, or None where either matrix's columns take no group or its held form (so both stay
+    dense: the kernels take both held or neither)."""
+    from ..layers.linear import quantize_rtn
+
+    e = experts.num_experts
+    for other, (_, n, k) in experts.shapes().items():
+        if other == attr:
+            continue
+        probe = quantize_rtn(torch.zeros(n, k), bits)  # the groups one expert of the other matrix would take
+        if probe is None or not QuantizedExperts.fits(probe, 1, device):
+            return None
+    q = quantize_rtn(tensor.to(device).reshape(-1, tensor.shape[-1]), bits)
+    return q if q is not None and QuantizedExperts.fits(q, e, device) else None

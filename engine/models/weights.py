@@ -76,7 +76,7 @@ def _place_quantized(module: nn.Module, name: str, tensor: GroupQuantized, devic
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     take = getattr(owner, "take_quantized", None)
-    if attr != "weight" or take is None:
+    if take is None or attr not in getattr(owner, "QUANTIZED", ("weight",)):
         raise ValueError(f"checkpoint tensor {name!r} is {tensor.kind}-quantized, and "
                          f"{type(owner).__name__} takes only dense weights")
     take(name, tensor, device)

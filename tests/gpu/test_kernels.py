@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
-                                  check_moe_block, check_moe_norm_route, check_int4_gemv, check_norm_gemv, rel_err)
+                                  check_moe_block, check_moe_norm_route, check_moe_quantized, check_int4_gemv, check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -173,6 +173,13 @@ def test_gdn_verify_kernel_vs_decode_steps(k_heads, v_heads, block_v):
 def test_moe_block_kernels_vs_torch(shared, tokens, monkeypatch):
     check_moe_block(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
                     shared=shared)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 5, 56, 700])  # 700 tokens: the grouped GEMM
+def test_moe_quantized_experts_vs_torch(bits, tokens, monkeypatch):
+    check_moe_quantized(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,
+                        bits=bits)
 
 
 @pytest.mark.parametrize("shared", [512, 0])

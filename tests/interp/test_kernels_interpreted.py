@@ -7,7 +7,7 @@ import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
-                                  check_moe_block, check_moe_norm_route,
+                                  check_moe_block, check_moe_norm_route, check_moe_quantized,
                                   check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
 
 
@@ -416,3 +416,14 @@ def test_fused_kernels_run_the_mtp_head(tmp_path_factory):
     engines = []
     fast, _ = drive(parts, False, specs, spec="mtp", draft_tokens=2, engine_out=engines)
     assert fast == plain and engines[0].counters.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens, gemv_limit", [(1, None), (3, None), (20, 8)])  # 20 tokens: grouped GEMM
+def test_moe_quantized_experts(tokens, gemv_limit, bits, monkeypatch):
+    from ninfer.engine.layers import moe_gemm_triton, moe_quant_triton
+
+    monkeypatch.setattr(moe_gemm_triton, "CHUNK_TOKENS", 16)
+    monkeypatch.setattr(moe_quant_triton, "CHUNK_TOKENS", 16)  # 20 tokens: two launches
+    check_moe_quantized(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=8, top_k=2, inter=32,
+                        bits=bits, gemv_limit=gemv_limit)

@@ -396,3 +396,34 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
     out = int4_gemv_triton(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
+
+
+def check_moe_quantized(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
+                        top_k: int, inter: int, bits: int, gemv_limit: int | None = None) -> None:
+    """Experts held in ``bits`` (``moe.QuantizedExperts``, packed for the Triton kernels): the
+    grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or ``gemv_limit``) or the
+    grouped GEMM dequantizing tiles in registers, against the torch loop over the same weights
+    dequantized; the block's dense shared expert runs on its own."""
+    import copy
+
+    from ninfer.engine.layers import fused_linear, moe
+    from ninfer.engine.layers.linear import quantize_rtn
+    from ninfer.engine.layers.moe import SparseMoeBlock
+
+    if gemv_limit is not None:
+        monkeypatch.setattr(moe, "DECODE_MAX_ASSIGNMENTS", gemv_limit)
+    ref = SparseMoeBlock(hidden, experts, top_k, inter, inter, True).to(device=device, dtype=dtype)
+    _randomize(ref, 0.02 if dtype == torch.bfloat16 else 0.2)
+    block = copy.deepcopy(ref)
+    for name in ("gate_up_proj", "down_proj"):
+        dense = getattr(ref.experts, name)
+        q = quantize_rtn(dense.detach().reshape(-1, dense.shape[-1]), bits)
+        block.experts.take_quantized(f"experts.{name}", q, torch.device(device), packed=True)
+        dense.data.copy_(q.dequantize().view(dense.shape))  # the reference: the held values, dense
+    assert block.experts.kernels_take and not block.fuse_projections()
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    with monkeypatch.context() as m:
+        m.setattr(moe, "on_triton", lambda t: False)
+        m.setattr(fused_linear, "on_triton", lambda t: False)
+        want = ref(x)
+    assert rel_err(block(x), want) < 2e-2
