@@ -123,12 +123,21 @@ BESIDE_REPS = 8  # prompts timed one after another beside the decoders
 
 
 def quantize_(model: torch.nn.Module, bits: int) -> None:
-    """Every projection (``Linear``) held ``bits``-bit and the LM head 8-bit, as ``--weights
-    int4`` loads them on the GPU (``loader.quantized_at_load``)."""
+    """Every projection (``Linear``) and the MoE experts held ``bits``-bit and the LM head 8-bit,
+    as ``--weights int4`` loads them on the GPU (``loader.quantized_at_load``)."""
     from ninfer.engine.layers.embedding import LMHead
     from ninfer.engine.layers.linear import Linear, method_fits, quantize_rtn
+    from ninfer.engine.layers.moe import FusedExperts, QuantizedExperts
 
     for name, mod in model.named_modules():
+        if isinstance(mod, FusedExperts):  # both matrices, over each one's E * N rows
+            for attr in mod.QUANTIZED:
+                dense = getattr(mod, attr)
+                q = quantize_rtn(dense.detach().reshape(-1, dense.shape[-1]), bits)
+                if q is None or not QuantizedExperts.fits(q, mod.num_experts, dense.device):
+                    break
+                mod.take_quantized(f"{name}.{attr}", q)
+            continue
         head = isinstance(mod, LMHead) and not mod.tied
         if (isinstance(mod, Linear) or head) and mod.weight is not None:
             q = quantize_rtn(mod.weight.detach(), 8 if head else bits)
@@ -137,14 +146,23 @@ def quantize_(model: torch.nn.Module, bits: int) -> None:
     torch.cuda.empty_cache()
 
 
-def streamed_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a dense decode step reads: every parameter and held buffer but the
-    token embedding (a step reads its rows only) and the state caches."""
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
+    """Bytes of the weights a decode step of ``batch`` tokens reads: every parameter and held
+    buffer but the token embedding (a step reads its rows only) and the state caches, the MoE
+    experts' (dense or held) as the share ``min(E, batch * k) / E`` of them a step's routing reads."""
+    from ninfer.engine.layers.moe import FusedExperts
+
+    cfg = getattr(model, "config", None)
+    tied = getattr(cfg, "tie_word_embeddings", False)
     skip = set() if tied else {id(t) for n, m in model.named_modules() if n.endswith("embed_tokens")
                                for t in m.parameters()}
+    experts = {id(t) for m in model.modules() if isinstance(m, FusedExperts)
+               for t in list(m.parameters()) + list(m.buffers())}
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    other = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in experts)
+    held = sum(t.numel() * t.element_size() for i, t in tensors.items() if i in experts)
+    share = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts if held else 0.0
+    return other + int(held * share)
 
 
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
@@ -287,15 +305,16 @@ def bench_ours(name: str, batches: list[int], context: int, prefills: list[int],
     cfg = shape_config(name) if isinstance(name, str) else name
     engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills or [0]), device, prefill_chunk,
                      beside, bits, verify)
-    weight_bytes = None if bits is None else streamed_weight_bytes(engine.model)
-    out: dict = {"decode": {}, "prefill": {}, "weight_gb": weight_bytes and weight_bytes / 1e9}
+    weight_gb = None if bits is None else streamed_weight_bytes(engine.model, 1 << 20) / 1e9  # every expert
+    out: dict = {"decode": {}, "prefill": {}, "weight_gb": weight_gb}
     for b in batches:
         reqs = _requests(b, context, (steps + b + 64) * max(verify, 1), cfg.vocab_size, f"d{b}-",
                          engine.config.max_context)
         dt = decode_step_s(engine, reqs, steps)
         graph_ms = _graph_ms(engine, reqs)
         out["decode"][b] = {"ms_per_step": dt * 1e3, "tok_s": b / dt, "graph_ms": graph_ms,
-                            "bytes_per_step": bytes_per_step(cfg, b, context, weight_bytes)}
+                            "bytes_per_step": bytes_per_step(
+                                cfg, b, context, None if bits is None else streamed_weight_bytes(engine.model, b))}
         if verify > 1:
             made, c = sum(len(r.output_ids) for r in reqs), engine.counters
             rounds, drafts = c.spec_rounds, c.spec_draft_tokens

@@ -152,3 +152,23 @@ def test_vision_bench_on_cpu_times_ninfer_and_the_peer_and_the_table_shows_both(
     encode = f"{ours['encode_ms']:.1f} ms | {hf['encode_ms']:.1f} ms | {hf['encode_ms'] / ours['encode_ms']:.2f}x |"
     assert encode in rows[1]
     assert rows[2].endswith(f"| {ours['prefill_tok_s'] / hf['prefill_tok_s']:.2f}x |")
+
+
+def test_int4_moe_floor_counts_the_held_experts_a_step_reads():
+    """``--weights int4`` on a MoE shape: the experts are held in 4 bits too, and a step's floor
+    counts the share of them its routing reads (2 of 16 at one token, 6 at three)."""
+    from bench.decode import _engine, streamed_weight_bytes
+    from ninfer.engine.layers.moe import QuantizedExperts
+
+    moe = dict(TINY, model_type="qwen3_5_moe_text", num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32, intermediate_size=32)
+    cfg = ModelConfig.from_hf_dict(moe)
+    out = bench_ours(cfg, [1, 3], context=24, prefills=[], steps=3, device="cpu", bits=4)
+    model = _engine(cfg, 3, 24, 3, 0, "cpu", bits=4).model
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_held, QuantizedExperts) and isinstance(experts.down_held, QuantizedExperts)
+    held = sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, type(experts))
+               for t in m.buffers())
+    one, three = streamed_weight_bytes(model, 1), streamed_weight_bytes(model, 3)
+    assert three - one == held * 4 // 16  # four more experts of 16 read
+    assert out["decode"][1]["bytes_per_step"] < out["decode"][3]["bytes_per_step"]
