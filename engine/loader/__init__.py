@@ -123,12 +123,17 @@ def placed_quantized(model: CausalLM, weights: Iterable[tuple[str, Any]],
     """``weights`` with each ``GroupQuantized`` one kept where its module holds it quantized on
     ``device``: a projection (``Linear``) whose method there takes its bits and groups
     (``linear.method_fits``), and on the CPU an embedding table or an LM head, which hold it or
-    dequantize it themselves (``embedding.py``); every other
-    one (MoE experts, which run dense weights; odd group sizes on the GPU) dequantized here."""
+    dequantize it themselves (``embedding.py``), and the MoE experts' matrices where
+    ``moe.QuantizedExperts`` holds them; every other one (odd group sizes on the GPU, say)
+    dequantized here."""
     dequantized = 0
     for name, tensor in weights:
         if isinstance(tensor, GroupQuantized) and not _holds_quantized(model, name, tensor, device):
             tensor = tensor.dequantize()
+            owner, _, attr = name.rpartition(".")
+            module = _submodule(model, owner)
+            if isinstance(module, FusedExperts):  # the experts' E * N rows back to [E, N, K]
+                tensor = tensor.view(module.shapes()[attr])
             dequantized += 1
         yield name, tensor
     if dequantized:
@@ -136,12 +141,20 @@ def placed_quantized(model: CausalLM, weights: Iterable[tuple[str, Any]],
                  dequantized, device.type)
 
 
+def _submodule(model: CausalLM, name: str):
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _holds_quantized(model: CausalLM, name: str, w: GroupQuantized, device: torch.device) -> bool:
     owner, _, attr = name.rpartition(".")
-    try:
-        module = model.get_submodule(owner)
-    except AttributeError:
+    module = _submodule(model, owner)
+    if module is None:
         return False
+    if isinstance(module, FusedExperts):
+        return attr in module.QUANTIZED and QuantizedExperts.fits(w, module.num_experts, device)
     if attr != "weight":
         return False
     if isinstance(module, Linear) or isinstance(module, LMHead) and device.type != "cpu":

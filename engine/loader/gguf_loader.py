@@ -148,11 +148,12 @@ def tensor_to_torch(tensor: ReaderTensor) -> torch.Tensor:
 
 def kept_quantized(tensor: ReaderTensor) -> GroupQuantized | None:
     """``tensor`` as a ``GroupQuantized`` matrix when its format is kept quantized and the CPU
-    int4 matmul takes its shape, else None (it is dequantised)."""
-    if GGMLQuantizationType(tensor.tensor_type) not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+    int4 matmul takes its shape, else None (it is dequantised); the MoE experts' 3-D tensors as
+    their rows whatever their shape (``loader.placed_quantized`` decides where they are held)."""
+    if GGMLQuantizationType(tensor.tensor_type) not in KEPT_QUANTIZED or len(tensor.shape) not in (2, 3):
         return None
     weight = group_quantized(tensor)
-    return weight if cpu_method_fits(weight) else None
+    return weight if len(tensor.shape) == 3 or cpu_method_fits(weight) else None
 
 
 def iter_weights(reader: GGUFReader, config: ModelConfig,

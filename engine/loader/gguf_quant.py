@@ -50,11 +50,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def group_quantized(tensor: ReaderTensor) -> GroupQuantized:
-    """The 2-D tensor ``[rows, cols]`` (HF dim order) of a GGUF tensor of a ``KEPT_QUANTIZED`` type."""
+    """The 2-D tensor ``[rows, cols]`` (HF dim order) of a GGUF tensor of a ``KEPT_QUANTIZED`` type;
+    a 3-D one (the MoE experts, ``[E, N, K]`` in HF order) as its ``E * N`` rows."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
     if qtype not in KEPT_QUANTIZED:
         raise ValueError(f"tensor {tensor.name!r}: {qtype.name} is not kept quantized")
-    cols, rows = (int(d) for d in tensor.shape.tolist())
+    dims = [int(d) for d in tensor.shape.tolist()]
+    cols, rows = dims[0], int(np.prod(dims[1:]))
     if qtype in _SUPER_BLOCK_READERS:
         return _SUPER_BLOCK_READERS[qtype](np.asarray(tensor.data), rows, cols)
     blocks = np.asarray(tensor.data).reshape(rows, cols // GROUP, -1)

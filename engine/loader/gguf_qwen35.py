@@ -269,10 +269,11 @@ def iter_weights(tensors: list[ReaderTensor], config: ModelConfig,
         prefix = f"model.layers.{layer}."
         if rest in _EXPERT_HALVES:
             pair = halves.setdefault(layer, {})
-            pair[rest] = dense(tensor)
+            pair[rest] = load(tensor)
             if len(pair) == 2:
                 del halves[layer]
-                yield prefix + "mlp.experts.gate_up_proj", torch.cat([pair[h] for h in _EXPERT_HALVES], dim=1)
+                yield prefix + "mlp.experts.gate_up_proj", join_expert_halves(
+                    *(pair[h] for h in _EXPERT_HALVES), config.num_experts)
             continue
         hf = block_hf_name(rest)
         base = rest.rpartition(".")[0] if "." in rest else rest
@@ -280,8 +281,10 @@ def iter_weights(tensors: list[ReaderTensor], config: ModelConfig,
             w = dense(tensor) - 1
         elif base == "ssm_a":
             w = torch.log(-dense(tensor))
-        elif base in ("ssm_dt", "ssm_norm", "ffn_down_exps", "ffn_gate_up_exps"):
+        elif base in ("ssm_dt", "ssm_norm"):
             w = dense(tensor)
+        elif base in ("ffn_down_exps", "ffn_gate_up_exps"):
+            w = load(tensor)  # kept quantized: the experts' E * N rows
         elif base == "ssm_conv1d":
             w = dense(tensor)
             if reorder:
@@ -307,3 +310,22 @@ def iter_weights(tensors: list[ReaderTensor], config: ModelConfig,
     if halves:
         raise ValueError("GGUF MoE layers with only one of ffn_gate_exps / ffn_up_exps: "
                          + ", ".join(str(i) for i in sorted(halves)))
+
+
+def join_expert_halves(gate: torch.Tensor | GroupQuantized, up: torch.Tensor | GroupQuantized,
+                       experts: int) -> torch.Tensor | GroupQuantized:
+    """``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, I, H]``, or kept quantized as their ``E * I``
+    rows) as the model's ``experts.gate_up_proj``: each expert's gate rows, then its up rows.
+    Halves held alike join quantized (rows ``[E * 2I, H]``); otherwise both come dense."""
+    if isinstance(gate, GroupQuantized) and isinstance(up, GroupQuantized) and \
+            (gate.bits, gate.group, gate.offset is None) == (up.bits, up.group, up.offset is None):
+        def per_expert(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.cat([a.view(experts, -1, a.shape[-1]), b.view(experts, -1, b.shape[-1])],
+                             dim=1).view(-1, a.shape[-1])
+
+        kind = gate.kind if gate.kind == up.kind else f"{gate.kind}+{up.kind}"
+        return GroupQuantized(per_expert(gate.q, up.q), per_expert(gate.scale, up.scale),
+                              None if gate.offset is None else per_expert(gate.offset, up.offset),
+                              gate.group, gate.bits, kind)
+    halves = [w.dequantize() if isinstance(w, GroupQuantized) else w for w in (gate, up)]
+    return torch.cat([w.reshape(experts, -1, w.shape[-1]) for w in halves], dim=1)

@@ -182,3 +182,56 @@ def test_missing_metadata_and_unknown_architecture(tmp_path, dense, gguf_writer)
     other = gguf_writer([("token_embd.weight", torch.zeros(8, 4).numpy(), None)], arch="qwen3next")
     with pytest.raises(UnsupportedModelError, match=r"architecture 'qwen3next' is not supported.*qwen35, qwen35moe"):
         load_gguf(other)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["halves", "fused"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_moe_experts_kept_quantized(tmp_path, moe, qtype, fuse):
+    """The experts' 3-D tensors in a quantized type (``ffn_gate_exps`` / ``ffn_up_exps`` joined per
+    expert, or llama.cpp's fused ``ffn_gate_up_exps``) come as the rows of ``experts.gate_up_proj``
+    / ``down_proj``, each exactly its dequantized tensor, and are held quantized
+    (``QuantizedExperts``), as near the file's dequantized load as the whole model in bf16 is."""
+    from ninfer.engine.layers.moe import QuantizedExperts
+
+    model, _ = moe
+    path = write_qwen35_gguf(tmp_path / f"{qtype.name}.gguf", model, experts_qtype=qtype, fuse_experts=fuse)
+    ckpt = load_gguf(path)
+    weights = dict(ckpt.weights())
+    e = ckpt.config.num_experts
+    kept = {n: w for n, w in ckpt.quantized_weights() if isinstance(w, GroupQuantized)}
+    assert {n.rpartition(".")[2] for n in kept} == {"gate_up_proj", "down_proj"} and len(kept) == 2 * 4
+    for name, w in kept.items():
+        assert torch.equal(w.dequantize().view(weights[name].shape), weights[name]), name
+    for name, w in model.state_dict().items():  # the layout is right: each is its tensor, rounded
+        if ".experts." in name:
+            assert (weights[name] - w).abs().max() <= 0.25 * w.abs().max(), name
+    dense_model = load_model(ckpt, "cpu", torch.float32, "dense")
+    held = load_model(ckpt, "cpu", torch.float32, "auto")
+    experts = held.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_held, QuantizedExperts) and experts.gate_up_proj is None
+    assert experts.down_held.experts == e
+    want = logits(dense_model, IDS)
+    bf16 = logits(load_model(ckpt, "cpu", torch.bfloat16, "dense"), IDS).float()
+    got = logits(held, IDS)
+    assert (got - want).abs().max() <= max((bf16 - want).abs().max(), 0.02 * want.abs().max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_k_quant_moe_experts_kept_quantized(tmp_path, qtype):
+    """K-quant experts (super-blocks of 256 columns: a MoE of 256-wide experts) read as their rows,
+    each exactly its dequantized tensor, held quantized and near the dequantized load."""
+    from ninfer.engine.layers.moe import QuantizedExperts
+
+    model = tiny_model(moe=True, hidden_size=256, moe_intermediate_size=256)
+    ckpt = load_gguf(write_qwen35_gguf(tmp_path / f"{qtype.name}.gguf", model, experts_qtype=qtype))
+    weights = dict(ckpt.weights())
+    kept = {n: w for n, w in ckpt.quantized_weights() if isinstance(w, GroupQuantized)}
+    assert len(kept) == 2 * 4 and all(w.kind == qtype.name for w in kept.values())
+    for name, w in kept.items():
+        assert torch.equal(w.dequantize().view(weights[name].shape), weights[name]), name
+    held = load_model(ckpt, "cpu", torch.float32, "auto")
+    assert isinstance(held.model.layers[1].mlp.experts.down_held, QuantizedExperts)
+    want = logits(load_model(ckpt, "cpu", torch.float32, "dense"), IDS)
+    bf16 = logits(load_model(ckpt, "cpu", torch.bfloat16, "dense"), IDS).float()
+    got = logits(held, IDS)
+    assert (got - want).abs().max() <= max((bf16 - want).abs().max(), 0.02 * want.abs().max())

@@ -37,6 +37,9 @@ PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_ga
                "output", "token_embd")
 
 
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")  # the MoE experts' 3-D tensors
+
+
 def tiny_model(moe: bool = False, seed: int = 0, vocab: int = 400, **text: Any):
     """``text``: config entries over ``TEXT`` (and the dense model's ``intermediate_size`` 96)."""
     torch.manual_seed(seed)
@@ -153,12 +156,14 @@ def _merges(tokenizer) -> list[tuple[str, str]]:
 def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
                       drop: tuple[str, ...] = (), extra: dict[str, Any] | None = None,
                       extra_tensors: dict[str, np.ndarray] | None = None, fuse_experts: bool = False,
-                      mix: Callable[[str, int | None, int], Q | None] | None = None) -> Path:
+                      mix: Callable[[str, int | None, int], Q | None] | None = None,
+                      experts_qtype: Q | None = None) -> Path:
     """The GGUF file of ``model``: F32 tensors, or F16 / ``qtype`` projections where their rows
     split into whole blocks; ``drop``: tensors left out; ``extra``: metadata over the derived
     (None: left out); ``extra_tensors``: more F32 tensors, written last. ``mix``: each projection's
     type from its kind (``attn_v``), layer (None: a global tensor) and columns instead of
-    ``qtype`` (None: F32; K-quants encoded by ``support.k_quants``)."""
+    ``qtype`` (None: F32; K-quants encoded by ``support.k_quants``). ``experts_qtype``: the MoE
+    experts' 3-D tensors in that type (F32 otherwise, as ``qtype`` leaves them)."""
     cfg = model.config
     arch = "qwen35moe" if getattr(cfg, "num_experts", 0) else "qwen35"
     meta = {**metadata(model, tokenizer), **(extra or {})}
@@ -168,7 +173,11 @@ def write_qwen35_gguf(path: Path, model, qtype: Q | None = None, tokenizer=None,
             continue
         array = t.numpy()
         kind = name.rpartition(".")[0].rpartition(".")[2] if name.startswith("blk.") else name.rpartition(".")[0]
-        if mix is not None and kind in PROJECTIONS and array.ndim == 2:
+        if experts_qtype is not None and kind in EXPERTS:
+            flat = array.reshape(-1, array.shape[-1])
+            blocks = encode(flat, experts_qtype) if experts_qtype in K_QUANTS else quantize(flat, experts_qtype)
+            tensors.append((name, blocks.reshape(*array.shape[:-1], -1), experts_qtype))
+        elif mix is not None and kind in PROJECTIONS and array.ndim == 2:
             layer = int(name.split(".")[1]) if name.startswith("blk.") else None
             chosen = mix(kind, layer, array.shape[1])
             if chosen in K_QUANTS:
