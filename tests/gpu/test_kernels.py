@@ -175,7 +175,7 @@ def test_moe_block_kernels_vs_torch(shared, tokens, monkeypatch):
                     shared=shared)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, 6])  # 6: Q6_K's symmetric groups of 16
 @pytest.mark.parametrize("tokens", [1, 5, 56, 700])  # 700 tokens: the grouped GEMM
 def test_moe_quantized_experts_vs_torch(bits, tokens, monkeypatch):
     check_moe_quantized(monkeypatch, "cuda", torch.bfloat16, tokens, hidden=2048, experts=256, top_k=8, inter=512,

@@ -418,7 +418,7 @@ def test_fused_kernels_run_the_mtp_head(tmp_path_factory):
     assert fast == plain and engines[0].counters.spec_draft_tokens > 0
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, 6])  # 6: Q6_K's symmetric groups of 16
 @pytest.mark.parametrize("tokens, gemv_limit", [(1, None), (3, None), (20, 8)])  # 20 tokens: grouped GEMM
 def test_moe_quantized_experts(tokens, gemv_limit, bits, monkeypatch):
     from ninfer.engine.layers import moe_gemm_triton, moe_quant_triton

@@ -398,12 +398,24 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
 
 
+def symmetric_groups_of_16(w: torch.Tensor):
+    """``w`` ``[N, K]`` as GGUF Q6_K holds it: 6-bit integers in symmetric groups of 16 (8-bit held)."""
+    from ninfer.engine.layers.linear import GroupQuantized
+
+    n, k = w.shape
+    g = w.float().reshape(n, k // 16, 16)
+    scale = (g.abs().amax(-1) / 31).clamp_min(1e-8)
+    q = (g / scale[..., None]).round().clamp(-32, 31).to(torch.int8).reshape(n, k)
+    return GroupQuantized(q.cpu(), scale.cpu(), None, 16, 8, "Q6_K")
+
+
 def check_moe_quantized(monkeypatch, device: str, dtype: torch.dtype, tokens: int, hidden: int, experts: int,
                         top_k: int, inter: int, bits: int, gemv_limit: int | None = None) -> None:
-    """Experts held in ``bits`` (``moe.QuantizedExperts``, packed for the Triton kernels): the
-    grouped GEMVs (up to ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or ``gemv_limit``) or the
-    grouped GEMM dequantizing tiles in registers, against the torch loop over the same weights
-    dequantized; the block's dense shared expert runs on its own."""
+    """Experts held in ``bits`` (``moe.QuantizedExperts``, packed for the Triton kernels; ``bits``
+    6: GGUF Q6_K's symmetric groups of 16): the grouped GEMVs (up to
+    ``moe.DECODE_MAX_ASSIGNMENTS`` assignments, or ``gemv_limit``) or the grouped GEMM
+    dequantizing tiles in registers, against the torch loop over the same weights dequantized;
+    the block's dense shared expert runs on its own."""
     import copy
 
     from ninfer.engine.layers import fused_linear, moe
@@ -417,7 +429,8 @@ def check_moe_quantized(monkeypatch, device: str, dtype: torch.dtype, tokens: in
     block = copy.deepcopy(ref)
     for name in ("gate_up_proj", "down_proj"):
         dense = getattr(ref.experts, name)
-        q = quantize_rtn(dense.detach().reshape(-1, dense.shape[-1]), bits)
+        flat = dense.detach().reshape(-1, dense.shape[-1])
+        q = symmetric_groups_of_16(flat) if bits == 6 else quantize_rtn(flat, bits)
         block.experts.take_quantized(f"experts.{name}", q, torch.device(device), packed=True)
         dense.data.copy_(q.dequantize().view(dense.shape))  # the reference: the held values, dense
     assert block.experts.kernels_take and not block.fuse_projections()
