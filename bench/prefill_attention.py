@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from ninfer.engine.layers.attention import attend
+from ninfer.engine.layers.backends import TritonAttention
 from ninfer.engine import launch
 from ninfer.engine.layers.prefill_attention_triton import prefill_attention_triton
 
@@ -45,7 +45,7 @@ def torch_path(q, k, v, tables, cu, lens, scale, page):
     parts = []
     for r, ctx in enumerate(lens.tolist()):
         idx = tables[r, : -(-ctx // page)].long()
-        parts.append(attend(q[cu[r]: cu[r + 1]], k[idx].flatten(0, 1)[:ctx], v[idx].flatten(0, 1)[:ctx], scale))
+        parts.append(TritonAttention().attend(q[cu[r]: cu[r + 1]], k[idx].flatten(0, 1)[:ctx], v[idx].flatten(0, 1)[:ctx], scale))
     return torch.cat(parts)
 
 

@@ -3,8 +3,9 @@
 Options: per-head ``q_norm``/``k_norm`` (Qwen3: plain RMSNorm, Qwen3.5: zero-centred) and an output
 gate (Qwen3.5: ``q_proj`` emits ``[q | gate]`` per head, output ``o_proj(attn * sigmoid(gate))``).
 Projections, norms and RoPE run on the whole flat token run. In an engine step (``batch.step``)
-the attention reads K/V in place from the shared pages, every row in one call per kernel; on the
-reference path it runs per sequence against that sequence's cache. The pages may hold one byte
+the attention reads K/V in place from the shared pages, every row in one call per kernel of the
+layer's backend (``backends.py``: its K/V write, decode rows and prompt rows); on the reference
+path it runs per sequence against that sequence's cache. The pages may hold one byte
 per element with a scale per (token, KV head) row (``--kv-dtype fp8`` / ``int8``: keys and
 queries rotated) or two per byte (``4bit``: keys with a range per page and channel, values with a
 scale per group of 32; ``cache/kv_quant.py``): K/V written quantized, read dequantized inside the
@@ -15,17 +16,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.kv_quant import is_packed, quantize, raw_bytes, rotation, write_keys4
+from . import backends
 from .fused_linear import NormFusedInput, fuse_linears, split_linear
 from .linear import Linear
 from .norm import RMSNorm
-from .paged_attention import paged_decode_attention
-from .prefill_attention import prefill_attention
 from .rotary import RotaryEmbedding
-from .triton_switch import on_triton
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
@@ -65,21 +63,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(0, 1).to(q.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the newest ``T`` tokens over ``S`` cached ones: torch's fused SDPA
-    (flash / memory-efficient kernels, bottom-right causal mask) on CUDA, the reference elsewhere."""
-    if not q.is_cuda:
-        return causal_attention(q, k, v, scale)
-    from torch.nn.attention.bias import causal_lower_right
-
-    t, s = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    mask = causal_lower_right(t, s) if t > 1 else None
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
-
-
 class Attention(NormFusedInput, nn.Module):
     def __init__(
         self,
@@ -113,6 +96,7 @@ class Attention(NormFusedInput, nn.Module):
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self._sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self._fused: torch.Tensor | nn.Module | None = None  # concatenated q/k/v (fuse_projections)
+        self.backend: backends.TorchAttention = backends.DEFAULT.attention  # the model's device's (use_backends)
         if qk_norm is not None:
             zero_centered = qk_norm == "zero_centered"
             self.q_norm = RMSNorm(head_dim, eps, zero_centered)
@@ -133,13 +117,13 @@ class Attention(NormFusedInput, nn.Module):
         n = q.shape[0]
         positions = batch.positions if batch.mrope is None else batch.mrope
         if batch.step is not None:
-            out = self._over_pools(q, k, v, positions, batch.step, batch.memo)
+            out = self.backend.step(self, q, k, v, positions, batch.step, batch.memo)
             return self._o_proj(out.reshape(n, self.num_heads * self.head_dim))
         q, k, v, gate = self._prepare(q, k, v, positions, batch.memo)
         parts = []
         for (start, end), cache in zip(batch.slices, batch.caches):
             keys, values = cache.append_kv(self.layer_idx, k[start:end], v[start:end])
-            parts.append(attend(q[start:end], keys, values, self.scale))
+            parts.append(self.backend.attend(q[start:end], keys, values, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -161,47 +145,30 @@ class Attention(NormFusedInput, nn.Module):
         q, k = self.rotary(positions, q, k, memo)
         return q, k, v, gate
 
-    def _over_pools(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    meta, memo: dict | None = None) -> torch.Tensor:
-        """A step over the pools (``StepMeta``): every new token's K/V written into its pages, then
-        the decode rows through the split-K decode kernel and the prompt rows through the varlen
-        prompt kernel, both reading K/V in place; ``[N, H, D]`` with the output gate applied. With
-        Triton the q/k norm, RoPE and K/V write are one launch (``attention_triton.py``); the torch
-        path is its reference."""
-        ordinal = meta.attn_ordinal[self.layer_idx]
+    def _write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, meta,
+                  memo: dict | None, ordinal: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's new K/V written into their pages in torch (q/k normed and rotated; quantized
+        pages: the keys' rotation or 4-bit ranges, bytes and scales): the query ``[N, H, D]`` as
+        the attention reads it and the output gate (or None)."""
         k_pages, v_pages, k_scale, v_scale = meta.kv.layer(ordinal)
-        if on_triton(q) and k_scale is None and positions.dim() == 1:  # three-axis positions: the torch path
-            gate = self._gate(q)
-            q = self._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
-        else:  # the torch path; quantized pages take it on the GPU too (the keys' rotation, 4-bit key ranges)
-            q, k, v, gate = self._prepare(q, k, v, positions, memo)
-            hkv, hd = self.num_kv_heads, self.head_dim
-            keys4 = k_scale is not None and is_packed(k_pages.dtype)
-            if keys4:  # 4-bit keys: requantized with a range per page and channel, unrotated
-                write_keys4(k_pages, k_scale, meta.write_index, k, meta.kv.exact_keys(ordinal, meta.kv_slots))
-            elif k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and scales
-                h = rotation(hd, q.device, torch.float32)
-                if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype
-                    q, k = torch.matmul(q.float(), h).to(q.dtype), torch.matmul(k.float(), h)
-                k, ks = quantize(k, k_pages.dtype)
-                k_scale.flatten(0, 1).index_copy_(0, meta.write_index, ks)  # a scale per row
-            if v_scale is not None:
-                v, vs = quantize(v, v_pages.dtype)
-                v_scale.flatten(0, 1).index_copy_(0, meta.write_index, vs)  # a scale per row (per group: 4-bit)
-            for pages, x in ((k_pages, k), (v_pages, v))[keys4:]:  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
-                rows = raw_bytes(pages).view(-1, hkv, pages.shape[-1])
-                rows.index_copy_(0, meta.write_index, raw_bytes(x.to(pages.dtype)))
-        d, prompt = meta.num_decode, meta.prompt
-        parts = []
-        if d:
-            parts.append(paged_decode_attention(q[:d], k_pages, v_pages, meta.block_tables[:d],
-                                                meta.context_lens[:d], self.scale, None if gate is None else gate[:d],
-                                                k_scale, v_scale))
-        if prompt is not None:
-            parts.append(prefill_attention(q[d:], k_pages, v_pages, meta.block_tables[d:], prompt.cu_seqlens,
-                                           meta.context_lens[d:], prompt.max_seqlen, self.scale,
-                                           None if gate is None else gate[d:], k_scale, v_scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        q, k, v, gate = self._prepare(q, k, v, positions, memo)
+        hkv, hd = self.num_kv_heads, self.head_dim
+        keys4 = k_scale is not None and is_packed(k_pages.dtype)
+        if keys4:  # 4-bit keys: requantized with a range per page and channel, unrotated
+            write_keys4(k_pages, k_scale, meta.write_index, k, meta.kv.exact_keys(ordinal, meta.kv_slots))
+        elif k_scale is not None:  # one-byte pages: rotated keys (``kv_quant.rotation``), bytes and scales
+            h = rotation(hd, q.device, torch.float32)
+            if h is not None:  # in fp32: the keys go on to their bytes, the queries back to their dtype
+                q, k = torch.matmul(q.float(), h).to(q.dtype), torch.matmul(k.float(), h)
+            k, ks = quantize(k, k_pages.dtype)
+            k_scale.flatten(0, 1).index_copy_(0, meta.write_index, ks)  # a scale per row
+        if v_scale is not None:
+            v, vs = quantize(v, v_pages.dtype)
+            v_scale.flatten(0, 1).index_copy_(0, meta.write_index, vs)  # a scale per row (per group: 4-bit)
+        for pages, x in ((k_pages, k), (v_pages, v))[keys4:]:  # e4m3 as its bytes: no fp8 index_copy_ on the CPU
+            rows = raw_bytes(pages).view(-1, hkv, pages.shape[-1])
+            rows.index_copy_(0, meta.write_index, raw_bytes(x.to(pages.dtype)))
+        return q, gate
 
     def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(out)

@@ -3,9 +3,10 @@
 Projections, the gated output norm and ``out_proj`` run on the whole flat token run; the causal
 conv and the recurrence continue from each sequence's state: the raw (pre-conv) qkv rows of the
 last ``kernel - 1`` tokens ``[W-1, conv_dim]`` and the fp32 state ``[Hv, K, V]``. In an engine
-step (``batch.step``) the states live in the pool's slots and every row runs in one call per
-kernel on CUDA (decode rows through the fused step kernel, prompt rows through fla-core's varlen
-kernels); on the reference path they live in each sequence's ``SequenceCache``.
+step (``batch.step``) the states live in the pool's slots and the layer's backend
+(``backends.py``) runs the step's decode, verify and prompt rows, one call per kernel on CUDA
+(decode rows through the fused step kernel, prompt rows through fla-core's chunked kernels); on
+the reference path they live in each sequence's ``SequenceCache`` (``backend.tokens``).
 
 Qwen3.5 stores four projections (``in_proj_qkv`` = [Q all heads | K | V], ``in_proj_z``,
 ``in_proj_b``, ``in_proj_a``). Qwen3-Next (:class:`Qwen3NextGatedDeltaNet`) fuses them as
@@ -20,29 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_linear
+from . import backends, fused_linear
 from .fused_linear import NormFusedInput, fuse_linears, split_linear
 from .linear import Linear
 from .triton_switch import on_triton
-from .gdn_ops import (
-    causal_conv1d,
-    causal_conv1d_fla,
-    chunk_gated_delta_rule,
-    prefill_gated_delta_rule,
-    recurrent_gated_delta_rule,
-    recurrent_step_batched,
-    varlen_conv1d_fla,
-    varlen_gated_delta_rule,
-)
-from .gdn_verify import gdn_verify
-from .gdn_prompt import prompt_conv, prompt_delta_rule
+from .gdn_ops import recurrent_step_batched, varlen_conv1d_fla, varlen_gated_delta_rule
+from .gdn_prompt import prompt_delta_rule
 
 if TYPE_CHECKING:
     from ..models.base import ForwardBatch
-
-# Runs shorter than this use the token loop (decode, short appends); longer ones the chunked form.
-RECURRENT_MAX_TOKENS = 8
-
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in fp32."""
@@ -102,6 +89,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+        self.backend: backends.TorchLinearAttention = backends.DEFAULT.linear_attention  # use_backends
 
     def _make_projections(self, hidden_size: int) -> None:
         self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
@@ -138,15 +126,16 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
             return self._from_projections(*self.project(hidden), batch)
         groups, z, b, a = self.project_parts(hidden)
         if batch.step is not None:
-            return self._over_slots(groups, z, b, a, batch.step)
+            return self.out_proj(self.backend.step(self, groups, z, a, b, batch.step))
         n = hidden.shape[0]
         g, beta = self._gates(a, b)
         parts = []
         for (s, e), cache in zip(batch.slices, batch.caches):
             if e > s:
                 i = self.layer_idx
-                o, cache.conv_states[i], cache.recurrent_states[i] = self._mix_tokens(
-                    tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache.conv_states[i], cache.recurrent_states[i])
+                o, cache.conv_states[i], cache.recurrent_states[i] = self.backend.tokens(
+                    self, tuple(x[s:e] for x in groups), g[s:e], beta[s:e], cache.conv_states[i],
+                    cache.recurrent_states[i])
                 parts.append(o.to(hidden.dtype))
         out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
             hidden.new_empty(n, self.num_v_heads, self.head_v_dim)
@@ -156,71 +145,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
     def _from_projections(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
         """A step of decode rows only (one token per row) from the input projections -> ``[N, hidden]``."""
-        return self.out_proj(self._decode_rows(qkv, z, b, a, batch.step))
-
-    def _decode_rows(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                     meta) -> torch.Tensor:
-        """One token for each of the first ``len(qkv)`` rows, states in their slots: conv,
-        recurrence and the gated output norm, ``[n, value_dim]`` (``out_proj``'s input). Rows that
-        verify drafts (``meta.verify``, after the plain decode rows) share their request's slot and
-        run in one call, each request's positions in order from the slot, which they leave as it
-        is; the states after each position are kept for ``VerifyRows.commit``."""
-        n = qkv.shape[0]
-        verify = meta.verify
-        if verify is None:
-            return self._decode_slots(qkv, z, b, a, meta.slot_ids[:n], meta)
-        d, t = verify.first, n - verify.first
-        gi = meta.gdn_ordinal[self.layer_idx]
-        conv, recurrent = verify.buffers(meta.states)
-        o = gdn_verify(qkv[d:], a[d:], b[d:], meta.states.conv[gi], self.conv1d.weight, self.A_log, self.dt_bias,
-                       meta.states.recurrent[gi], verify.slots, verify.cu_seqlens, conv[gi], recurrent[gi],
-                       self.num_k_heads)
-        out = self.norm(o, z[d:].view(t, self.num_v_heads, self.head_v_dim)).reshape(t, self.value_dim)
-        if not d:
-            return out
-        return torch.cat([self._decode_slots(qkv[:d], z[:d], b[:d], a[:d], meta.slot_ids[:d], meta), out])
-
-    def _decode_slots(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                      slots: torch.Tensor, meta) -> torch.Tensor:
-        """``_decode_rows`` for rows of distinct ``slots``."""
-        n = qkv.shape[0]
-        if on_triton(qkv):
-            return self._decode_fused(qkv, z, a, b, slots, meta)
-        g, beta = self._gates(a, b)
-        out = self._decode(qkv, g, beta, slots, meta)
-        return self.norm(out, z.view(n, self.num_v_heads, self.head_v_dim)).reshape(n, self.value_dim)
-
-    def _over_slots(self, groups: tuple[torch.Tensor, ...], z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                    meta) -> torch.Tensor:
-        """A step with prompt rows over the state slots: its decode rows as in a decode step, its
-        prompt rows through the varlen conv and chunked recurrence (fla-core's kernels on CUDA,
-        every row in one call; the torch reference row by row elsewhere), each row starting from
-        the state in its slot and leaving its final state there."""
-        n, d = z.shape[0], meta.num_decode
-        parts = []
-        if d:
-            qkv = groups[0][:d] if len(groups) == 1 else torch.cat([x[:d] for x in groups], dim=-1)
-            parts.append(self._decode_rows(qkv, z[:d], b[:d], a[:d], meta))
-        groups = tuple(x[d:] for x in groups)
-        gi = meta.gdn_ordinal[self.layer_idx]
-        conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
-        if groups[0].is_cuda and self.head_k_dim == self.head_v_dim:
-            o = self._mix_prompt_rows(groups, a[d:], b[d:], conv_pool, rec_pool, meta.slot_ids[d:], meta.prompt)
-        elif groups[0].is_cuda:
-            g, beta = self._gates(a[d:], b[d:])
-            o = self._mix_varlen(groups, g, beta, conv_pool, rec_pool, meta.slot_ids[d:], meta.prompt)
-        else:
-            g, beta = self._gates(a[d:], b[d:])
-            bounds, outs = meta.prompt.cu_seqlens_host.tolist(), []
-            for r, slot in enumerate(meta.prompt.slots_host):
-                s, e = bounds[r], bounds[r + 1]
-                o, conv_pool[slot], rec_pool[slot] = self._mix_tokens(
-                    tuple(x[s:e] for x in groups), g[s:e], beta[s:e], conv_pool[slot], rec_pool[slot])
-                outs.append(o)
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        t = n - d
-        parts.append(self.norm(o.to(z.dtype), z[d:].view(t, self.num_v_heads, self.head_v_dim)).reshape(t, self.value_dim))
-        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return self.out_proj(self.backend.step(self, (qkv,), z, a, b, batch.step))
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token and value head: the decay ``g`` (log space) and the write strength ``beta``."""
@@ -250,31 +175,15 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
                 mixed[1].reshape(t, self.num_k_heads, self.head_k_dim),
                 mixed[2].reshape(t, self.num_v_heads, self.head_v_dim))
 
-    def _mix_tokens(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
-                    conv_state: torch.Tensor | None, state: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv + recurrence for one sequence's new tokens from its conv state ``[W-1, C]`` and
-        recurrent state (None: zeros): ``(out [T, Hv, V], conv state, recurrent state)``. ``groups``:
-        its qkv rows whole, or as q, k, v (the depthwise conv then runs per group, each output
-        contiguous)."""
-        t = groups[0].shape[0]
-        conv = causal_conv1d_fla if groups[0].is_cuda else causal_conv1d  # fla-core's Triton conv on CUDA
-        mixed, conv_state = self._conv_groups(groups, conv_state, conv)
-        q, k, v = self._conv_split(mixed, t)
-        if groups[0].is_cuda:  # fla-core's chunked kernel, l2 norms of q and k inside it
-            o, state = prefill_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=True)
-            return o, conv_state, state
-        rule = recurrent_gated_delta_rule if t < RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
-        o, state = rule(l2norm(q), l2norm(k), v, g, beta, state)
-        return o, conv_state, state
-
     def _mix_prompt_rows(self, groups: tuple[torch.Tensor, ...], a: torch.Tensor, b: torch.Tensor,
                          conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor, prompt
                          ) -> torch.Tensor:
         """Every prompt row at once (CUDA, key and value heads of one size): the conv from and into
         the slots in two launches, q and k normalised there (``gdn_prompt_triton``), then fla-core's
         chunked forward called directly, its decay computed in its first kernel (``gdn_prompt``)."""
-        q, k, v = prompt_conv(groups, self.conv1d.weight, conv_pool, slots, prompt.cu_seqlens_long, prompt.chunks,
+        from .gdn_prompt_triton import prompt_conv_triton
+
+        q, k, v = prompt_conv_triton(groups, self.conv1d.weight, conv_pool, slots, prompt.cu_seqlens_long, prompt.chunks,
                               self.num_k_heads, self.head_k_dim)
         return prompt_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, rec_pool, slots, prompt.cu_seqlens_long,
                                  prompt.chunks)

@@ -6,6 +6,7 @@ from dataclasses import replace
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
+from ..layers.backends import Backends, use_backends
 from .base import CausalLM
 
 
@@ -56,7 +57,7 @@ def build_model(
     ``lazy``: the parameters stay on ``meta`` and each takes its storage on ``device`` when the
     checkpoint gives it (``weights.load_parameters``), so a weight held quantized never has a
     dense copy on the device (the 27B's bf16 matrices would take 54 GB before their 4-bit
-    forms replaced them).
+    forms replaced them). The token mixers take the kernels of ``device`` (``layers/backends.py``).
     """
     if not mtp and config.mtp_layers:
         config = replace(config, mtp_layers=0)
@@ -68,4 +69,5 @@ def build_model(
         model.load_device = torch.device(device)
     else:
         model = model.to_empty(device=device)
+    use_backends(model, Backends.for_device(device))  # the token mixers' kernels for this device
     return model.eval().requires_grad_(False)

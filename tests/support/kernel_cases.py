@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ninfer.engine.layers.backends import Backends, use_backends
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all()
@@ -48,7 +50,6 @@ def check_norm_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, til
 def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: bool, hidden: int,
                            heads: int, kv_heads: int, head_dim: int, rotary_dim: int) -> None:
     """q/k norm + RoPE + K/V write kernel and the gated merge against the module's torch path."""
-    from ninfer.engine.layers import attention
     from ninfer.engine.layers.attention import Attention
     from ninfer.engine.layers.rotary import RotaryEmbedding
     from ninfer.engine.models.base import ForwardBatch
@@ -73,9 +74,8 @@ def check_attention_decode(monkeypatch, device: str, dtype: torch.dtype, qwen: b
                                write_index=write, block_tables=tables, context_lens=lens,
                                num_decode=b, prompt=None)
         batch = ForwardBatch(positions=positions, seq_lens=[1] * b, caches=[], step=meta)
-        with monkeypatch.context() as m:
-            m.setattr(attention, "on_triton", lambda t: fused)
-            return attn(hidden_states, batch), pools
+        attn.backend = Backends.for_device(device).attention if fused else Backends.named("torch").attention
+        return attn(hidden_states, batch), pools
 
     out, (k_new, v_new) = run(True)
     ref, (k_ref, v_ref) = run(False)
@@ -336,7 +336,6 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
     through the fused q/k norm + RoPE + K/V write kernel, the split-K decode kernel and the varlen
     prompt kernel gives the logits of the torch path over the same pools (whole model)."""
     from ninfer.engine.cache.manager import CacheManager
-    from ninfer.engine.layers import attention as attention_mod
     from ninfer.engine.request import Request
     from ninfer.engine.sampling_params import SamplingParams
     from ninfer.engine.step import build_step
@@ -347,7 +346,7 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
     dtype = next(model.parameters()).dtype
 
     def logits(fused: bool) -> torch.Tensor:
-        monkeypatch.setattr(attention_mod, "on_triton", lambda x: fused)
+        use_backends(model, Backends.for_device(device) if fused else Backends.named("torch"))
         caches = CacheManager(model.config, 96 // page_size, page_size, 3, dtype, device, kv_dtype=kv_dtype)
         reqs = [Request(f"r{i}", p, SamplingParams(), max_total_tokens=64) for i, p in enumerate(prompts)]
         for r in reqs:
@@ -364,7 +363,10 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
                 r.num_computed += n
         return torch.cat(out).float()
 
-    assert rel_err(logits(True), logits(False)) < tol
+    try:
+        assert rel_err(logits(True), logits(False)) < tol
+    finally:
+        use_backends(model, Backends.for_device(device))  # the model's own, for the tests after
 
 
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
