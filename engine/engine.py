@@ -26,7 +26,7 @@ from .outputs import RequestOutput, TokenLogprob
 from .outputs import merge as merge_outputs
 from .pooling import Pooled
 from .request import FinishReason, Request, Status
-from .runner import Launched, ModelRunner
+from .runner import Launched, ModelRunner, StepThreads
 from .sampler import make_generator, uses_history
 from .scheduler import Scheduler
 from .spec import Drafter, MTPDrafter, accepted, speculates
@@ -59,6 +59,7 @@ class LLMEngine:
                                    config.kv_storage_dtype, config.state_storage_dtype)
         # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
+        self.runner.threads = StepThreads.configure(self.device, config.cpu_threads_one_token)
         if config.tensor_parallel > 1:  # rank 0 of tensor parallelism: the other ranks follow its steps
             from .tp_steps import Leader
 

@@ -89,6 +89,12 @@ class EngineConfig:
     # core); on a machine whose cores the gateway, its clients or other work share, fewer threads
     # leave them a core where the engine's threads would otherwise wait on each other
     cpu_threads: int = 0
+    # on the CPU, torch's threads for a step of one token (one stream decoding; 0: as every
+    # step). The server sets one fewer than the engine's threads: its gateway and the client
+    # wake on every token of a lone stream, and on cores they share a step's threads stall on
+    # whichever one they preempt (the embedded model through HTTP on 2 cores: 33.8 tok/s with two
+    # threads, 46.4 with one; steps of several rows or prompt tokens keep every thread)
+    cpu_threads_one_token: int = 0
     # tensor parallelism (``parallel.py``): ranks, one process each, every layer split over them;
     # without speculative decoding, the vision tower, the host tier or CUDA graphs
     tensor_parallel: int = 1
@@ -126,6 +132,7 @@ class EngineConfig:
             ("kv_dtype", self.kv_dtype in KV_DTYPES, f"must be one of {', '.join(KV_DTYPES)}"),
             ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {', '.join(STATE_DTYPES)}"),
             ("cpu_threads", self.cpu_threads >= 0, "must be >= 0 (0: one per core)"),
+            ("cpu_threads_one_token", self.cpu_threads_one_token >= 0, "must be >= 0 (0: as every step)"),
             ("tensor_parallel", 1 <= self.tensor_parallel <= 64, "must be between 1 and 64"),
         ]
         for name, ok, why in checks:

@@ -110,6 +110,7 @@ class ModelRunner:
         # ids the sampler may pick: the first ``vocab`` logits (a checkpoint's LM head may have
         # rows past its tokenizer's last id; None = every row)
         self.vocab = vocab
+        self.threads: StepThreads | None = None  # the CPU's threads per step (StepThreads.configure)
         self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
         self.verify_graphs = None  # CudaGraphVerifier (steps of decode and verify rows), when captured
@@ -266,6 +267,8 @@ class ModelRunner:
         for none)."""
         if self.leader is not None:
             self.leader.send(step.input_ids, step.batch, sample_index)
+        if self.threads is not None:
+            self.threads.take(step.input_ids.shape[0])
         return self.model(step.input_ids, step.batch)
 
     def _launch_step(self, plan: list[tuple[Request, int]]) -> Launched:
@@ -319,3 +322,27 @@ def sampled_logits(model: CausalLM, hidden: torch.Tensor, vocab: int | None) -> 
     pick an id the tokenizer cannot decode."""
     logits = model.compute_logits(hidden)
     return logits if vocab is None or logits.shape[-1] <= vocab else logits[:, :vocab]
+
+
+class StepThreads:
+    """torch's intra-op threads per CPU step: ``one_token`` for a step of one token, every
+    thread the process has for the others (``EngineConfig.cpu_threads_one_token``), switched only
+    when the kind of step changes."""
+
+    def __init__(self, one_token: int) -> None:
+        self.full = torch.get_num_threads()
+        self.one_token = one_token
+        self.current = self.full
+
+    @classmethod
+    def configure(cls, device: torch.device, one_token: int) -> "StepThreads | None":
+        """None where every step keeps the process's threads (off the CPU, or not fewer)."""
+        if device.type != "cpu" or not 0 < one_token < torch.get_num_threads():
+            return None
+        return cls(one_token)
+
+    def take(self, tokens: int) -> None:
+        want = self.one_token if tokens == 1 else self.full
+        if want != self.current:
+            torch.set_num_threads(want)
+            self.current = want

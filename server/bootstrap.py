@@ -235,6 +235,7 @@ def _engine(ckpt: Checkpoint, tokenizer: Tokenizer, config: EngineConfig, tuned_
     from ..engine.memory import apply_memory_cap
 
     apply_cpu_threads(config)
+    config = one_token_threads(config)
     apply_memory_cap(config)
     launch.use(launch.load(launch.gpu_name(torch.device(config.device)), tuned_config))
     return LLMEngine(load_model(ckpt, config.device, config.dtype, config.weights, mtp=config.spec == "mtp",
@@ -276,6 +277,16 @@ def apply_cpu_threads(config: EngineConfig) -> None:
     that runs torch ops from then on (the engine loop's too) takes that many."""
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
+
+
+def one_token_threads(config: EngineConfig) -> EngineConfig:
+    """On the CPU, ``config`` with its steps of one token on one fewer thread than the others
+    (``EngineConfig.cpu_threads_one_token``, unless set): the gateway and its clients share
+    these cores and wake on every token of a lone stream."""
+    threads = torch.get_num_threads()
+    if torch.device(config.device).type != "cpu" or config.cpu_threads_one_token or threads < 2:
+        return config
+    return dataclasses.replace(config, cpu_threads_one_token=threads - 1)
 
 
 def build_engine(args: argparse.Namespace, rendezvous: parallel.Rendezvous | None = None) -> LLMEngine:
