@@ -18,7 +18,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
-cuBLAS), and torch's tinygemm, against bf16 cuBLAS on the
+cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), and torch's tinygemm,
+against bf16 cuBLAS on the
 dense weight; TB/s
 counts the packed bytes, the scales and the offsets.
 """
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton
+from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_dot_triton, int4_gemv_triton
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -151,6 +152,10 @@ _INT4_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
                for n, k, w in itertools.product((2, 4, 8, 16, 32), (64, 128), (1, 2, 4, 8))]
 
 
+_DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+              for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
+
+
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
     """torch's int4 CUDA matmul (``_weight_int4pack_mm``, tinygemm) operands for ``pack_int4``
     bytes: the values repacked even column high, the scales and zeros ``[K / G, N, 2]`` bf16 with
@@ -196,6 +201,22 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             us = graph_time_us(dequantized, copies)
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
+        if m <= 16:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
+            dot = None
+            for tiles in _DOT_TILES:
+                try:
+                    out = int4_gemv_dot_triton(x, q0, s0, o0, group, tiles)
+                    us = graph_time_us(lambda c: int4_gemv_dot_triton(x, *packs[c], group, tiles), copies)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+                    bad.append(f"dot {tiles}: {type(exc).__name__}")
+                    continue
+                if _rel_err(out, ref) > 2e-2:
+                    bad.append(f"dot {tiles}: MISMATCH")
+                elif dot is None or us < dot[1]:
+                    dot = (tiles, us)
+            if dot is not None:
+                bad.append(f"tensor-core GEMV {_tile_name(dot[0])} {dot[1]:.1f} us ({nbytes / 1e6 / dot[1]:.2f} TB/s, "
+                           f"{cublas / dot[1]:.2f}x bf16)")
         for tiles in (_INT4_TILES if m <= 16 else []):
             try:
                 out = int4_gemv_triton(x, q0, s0, o0, group, tiles)

@@ -15,6 +15,11 @@ reference is ``x @ GroupQuantized.dequantize().T`` (``tests/interp``, ``tests/gp
 weight (int8 ``[N, K]``, one value a byte) takes the same kernels, its bytes split into even and
 odd columns as the input's are.
 
+``int4_gemv_dot_triton`` is the same product on the tensor cores: each nibble becomes the 16-bit
+float ``BASE + q`` by its bits (no conversion instruction), the chunk's product is ``tl.dot`` over
+the rows padded to 16, and ``BASE * sum(x)`` comes off with the scales once per row and chunk;
+``python -m bench.gemv_tune --int4`` times it beside the GEMV above and torch's tinygemm.
+
 Prompt rows are compute bound: ``int4_dequantize_triton`` writes the weight (or a block of its
 rows) out in the activation dtype for a cuBLAS product, a pass over memory that a prompt chunk's
 GEMM amortises.
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .triton_switch import INTERPRET
 
 DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
 
@@ -86,6 +93,77 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
         y = acc_rows
     out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _int4_gemv_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                          G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_OFFSET: tl.constexpr, BASE_BITS: tl.constexpr, BASE: tl.constexpr,
+                          DOT_FP32: tl.constexpr):
+    # The products on the tensor cores: each nibble becomes the 16-bit float BASE + q by its bits
+    # alone (BASE's exponent, q in the low mantissa bits: ``BASE_BITS | q``, exact), the chunk's
+    # [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] product is tl.dot's, and BASE * sum(x) comes off with
+    # the group's scale and offset once per row and chunk (BLOCK_K divides G):
+    # sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    j = tl.arange(0, BLOCK_K // 2)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None], other=0.0)
+        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
+        lo = ((b & 15) | BASE_BITS).to(x.dtype, bitcast=True)
+        hi = ((b >> 4) | BASE_BITS).to(x.dtype, bitcast=True)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # BASE + q, columns in order
+        if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
+            r = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32))
+        else:
+            r = tl.dot(x, tl.trans(w))
+        xs = tl.sum(x.to(tl.float32), 1)
+        sg = rows_in * stride_sn + k0 // G
+        s = tl.load(s_ptr + sg).to(tl.float32)
+        acc += r * s[None, :] - (BASE * xs)[:, None] * s[None, :]
+        if HAS_OFFSET:
+            acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
+    out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+DOT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+# 16-bit floats BASE + q (q in 0..15) by their bits: the exponent of BASE over q in the low mantissa bits
+_DOT_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                         group: int, tiles: dict | None = None) -> torch.Tensor:
+    """``int4_gemv_triton`` for 4-bit weights with the products on the tensor cores (``tl.dot``
+    over the rows padded to 16): ``x`` ``[M, K]`` bf16 or fp16 (M <= 64), ``packed`` ``[N, K / 2]``
+    (``pack_int4``), ``scale``/``offset`` ``[N, K / group]``, groups of a power of two >= 16."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.dtype not in _DOT_BASES or packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or m > 64 or \
+            group < 16 or group & (group - 1) or k % group or tuple(scale.shape) != (n, k // group):
+        raise ValueError(f"int4 gemv (dot): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
+                         f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not fit")
+    if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
+            offset is not None and not offset.is_contiguous():
+        raise ValueError("int4 gemv (dot): x needs a contiguous last dim, packed, scales and offsets must be contiguous")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    t = dict(DOT_TILES, **(tiles or {}))
+    bits, base = _DOT_BASES[x.dtype]
+    _int4_gemv_dot_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
+        x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
+        scale.stride(0), y.stride(0), G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"],
+        BLOCK_K=min(t["BLOCK_K"], group), HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base,
+        DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_warps=t["num_warps"])
+    return y
 
 
 ONE_GROUP_CHUNKS = 32  # groups of at least this many columns run one group (or part of one) a chunk

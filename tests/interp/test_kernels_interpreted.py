@@ -294,6 +294,19 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
         int4_gemv_triton(torch.randn(1, 64), pack_int4(torch.zeros(4, 64)), torch.ones(4, 4).half(), None, 32)
 
 
+@pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}),  # ragged last row block, chunks of a group
+    (3, 16, 384, 128, None),
+    (20, 24, 128, 64, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2}),  # rows padded to 32, two chunks a group
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype):
+    """The 4-bit GEMV's ``tl.dot`` form: nibbles made 16-bit floats by their bits, the base taken
+    off per chunk with the scales."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="dot")
+
+
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])

@@ -371,11 +371,12 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
-    """The GEMV over ``bits``-bit groups (``kernel`` "gemv") against ``x @ W.T``, or the
-    dequantizing kernel ("dequantize") against ``W``, with ``W`` the group-quantized weight
-    dequantized (in fp32, from the fp16 scales the kernels read)."""
+    """The GEMV over ``bits``-bit groups (``kernel`` "gemv", or "dot": its form on the tensor
+    cores) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
+    the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
-    from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton, pack_int4
+    from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
+                                                        int4_gemv_triton, pack_int4)
 
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -395,7 +396,7 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
-    out = int4_gemv_triton(x, held, s16, o16, group, tiles)
+    out = (int4_gemv_dot_triton if kernel == "dot" else int4_gemv_triton)(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
 
