@@ -10,7 +10,9 @@
 # the 27B without its own attention choices) or "serve" (bench.serve through HTTP: the 9B shape
 # at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once) or
 # "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
-# beside transformers'), so a machine that limits one command's time can take the run in several
+# beside transformers') or "int4" (the 4-bit kernels' GPU tests, bench.gemv_tune --int4 at the
+# 27B's projections, and bench.decode of the 27B and the 35B-A3B with --weights int4, the 27B
+# in bf16 beside it: issue 21's decode and 16K-prompt figures), so a machine that limits one command's time can take the run in several
 # calls; "all" runs neither tuning part nor "pdl" nor "ab" nor "serve" nor "vision".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
@@ -19,8 +21,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | vision) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, vision)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | vision | int4) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, vision, int4)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -56,6 +58,16 @@ if [ "$parts" = gemv ]; then
     run gemv-tune-35b "$py" -m bench.gemv_tune --shape qwen3.5-35b-a3b --rows 1,8
     run gemv-norm "$py" -m bench.gemv_tune --shape qwen3.5-27b --rows 1 --norm
     run gemv-norm-35b "$py" -m bench.gemv_tune --shape qwen3.5-35b-a3b --rows 1 --norm
+fi
+if [ "$parts" = int4 ]; then
+    run int4-tests "$py" -m pytest -q tests/gpu/test_kernels.py -k "int4 or quant" -p no:cacheprovider
+    run gemv-int4 "$py" -m bench.gemv_tune --int4 --shape qwen3.5-27b --rows 1,8
+    run 27b-int4 "$py" -m bench.decode --shape qwen3.5-27b --weights int4 --batches 1,8 --prefill 16384 --steps 16 \
+        --no-hf --json "$out/27b-int4.json"
+    run 27b-bf16 "$py" -m bench.decode --shape qwen3.5-27b --batches 1 --prefill 16384 --steps 16 --no-hf \
+        --json "$out/27b-bf16.json"
+    run 35b-a3b-int4 "$py" -m bench.decode --shape qwen3.5-35b-a3b --weights int4 --batches 1,8 --prefill 16384 \
+        --steps 16 --no-hf --json "$out/35b-a3b-int4.json"
 fi
 if [ "$parts" = pdl ]; then
     for mode in off first late; do
