@@ -83,6 +83,20 @@ class QuantizedExperts(nn.Module):
                                                   None, w.group, w.bits, w.kind))
         return w.group >= 16 and not w.group & (w.group - 1)
 
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The packed matrix as ``[E, N, K]`` in ``dtype`` (held for the kernels only)."""
+        if self.packed is None:
+            raise ValueError("the per-expert CPU form keeps no packed matrix to dequantize")
+        e, n, _ = self.packed.shape
+        if self.bits == 4:
+            q = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).view(e, n, self.in_features).float()
+        else:
+            q = self.packed.float()
+        w = q.view(e, n, -1, self.group) * self.scale.float()[..., None]
+        if self.offset is not None:
+            w = w + self.offset.float()[..., None]
+        return w.view(e, n, self.in_features).to(dtype)
+
     def apply(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """``x @ W[e].T`` for rows ``x`` ``[M, K]``."""
         if self.per_expert is not None:
@@ -135,6 +149,21 @@ class FusedExperts(nn.Module):
                 QuantizedExperts(w, e, torch.device(device if device is not None else param.device), packed))
         delattr(self, attr)
         self.register_parameter(attr, None)
+
+    def settle(self, dtype: torch.dtype) -> bool:
+        """After loading: where one matrix is held packed and the other is dense (a GGUF file
+        whose experts' halves come in formats of which only one is held), the held one dense
+        again in ``dtype``, so the kernels, which take both held or neither, run them (the torch
+        loop reads counts on the host, which a CUDA graph cannot). Whether it changed anything."""
+        held = [(attr, getattr(self, attr.removesuffix("_proj") + "_held")) for attr in self.QUANTIZED]
+        if self.kernels_take or any(h is not None and h.packed is None for _, h in held):
+            return False  # (the CPU's per-expert form runs the torch loop either way)
+        for attr, h in held:
+            if h is not None:
+                dense = h.dequantize(dtype)
+                setattr(self, attr.removesuffix("_proj") + "_held", None)
+                self.register_parameter(attr, nn.Parameter(dense, requires_grad=False))
+        return True
 
     def _matmul(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
         held = getattr(self, attr.removesuffix("_proj") + "_held")

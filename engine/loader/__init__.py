@@ -98,6 +98,10 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     else:
         tensors = source
     model.load_weights(tensors)
+    settled = sum(m.settle(dtype) for m in model.modules() if isinstance(m, FusedExperts))
+    if settled:
+        log.info("%d MoE layers' experts dequantized: one matrix of each came in a format the GPU does not "
+                 "hold quantized", settled)
     if vision:
         if ckpt.vision_weights is None:
             raise ValueError(f"{ckpt.source} has no vision tower (model.visual.* and vision_config): "

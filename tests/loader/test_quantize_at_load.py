@@ -149,3 +149,22 @@ def test_moe_experts_held_packed_off_the_cpu(tmp_path):
     assert experts.kernels_take and experts.gate_up_held.per_expert is None
     assert tuple(experts.gate_up_held.packed.shape) == (e, 2 * i, h // 2) and experts.gate_up_held.packed.dtype == torch.uint8
     assert tuple(experts.down_held.scale.shape) == (e, h, i // 32) and experts.down_held.scale.dtype == torch.float16
+
+
+def test_experts_with_one_matrix_held_are_made_dense_again_for_the_kernels():
+    """A file whose experts' gate/up come in a held format and down in one that is not: the
+    packed half is dequantized after the load (the kernels take both held or neither)."""
+    from ninfer.engine.layers.linear import GroupQuantized, quantize_rtn
+    from ninfer.engine.layers.moe import FusedExperts
+
+    experts = FusedExperts(4, 64, 32)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    q = quantize_rtn(experts.gate_up_proj.detach().reshape(-1, 64), 4)
+    experts.take_quantized("experts.gate_up_proj", q, torch.device("cpu"), packed=True)
+    assert experts.quantized and not experts.kernels_take
+    assert experts.settle(torch.float32)
+    assert experts.gate_up_held is None and experts.kernels_take and not experts.quantized
+    held = GroupQuantized(q.q, q.scale.half().float(), q.offset.half().float(), q.group, 4, "int4")  # fp16 scales
+    assert torch.equal(experts.gate_up_proj, held.dequantize().view(4, 64, 64))
+    assert not experts.settle(torch.float32)  # nothing left to settle
