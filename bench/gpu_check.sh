@@ -7,7 +7,8 @@
 # then in its two forms) or "ab" (decode steps with and without an open launch choice, through
 # bench.decode --set: the 35B-A3B router read after the PDL wait, its inputs sent by the host
 # rather than advanced in the graph, its greedy argmax taken after the graph rather than in it;
-# the 27B without its own attention choices) or "serve" (bench.serve through HTTP: the 9B shape
+# the 27B without its own attention choices; the 9B's prompts of 2-16 tokens beside 8 decoding
+# requests with the GDN rows in the chunked and in the recurrent form) or "serve" (bench.serve through HTTP: the 9B shape
 # at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once) or
 # "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
 # beside transformers') or "int4" (the 4-bit kernels' GPU tests, bench.gemv_tune --int4 at the
@@ -88,6 +89,10 @@ if [ "$parts" = ab ]; then
     run ab-27b "$py" -m bench.decode $dense --json "$out/ab-27b.json"
     run ab-27b-attention-defaults "$py" -m bench.decode $dense --json "$out/ab-27b-attention-defaults.json" \
         --set "attention_shape_tiles={}"
+    short="--shape qwen3.5-9b --batches 1 --prefill 2,4,8,16 --beside 8 --steps 16 --no-hf"
+    run ab-9b-short-prompts "$py" -m bench.decode $short --json "$out/ab-9b-short-prompts.json"
+    run ab-9b-short-prompts-recurrent "$py" -m bench.decode $short --json "$out/ab-9b-short-prompts-recurrent.json" \
+        --set gdn_recurrent_prompt_tokens=16
 fi
 if [ "$parts" = vision ]; then
     run vision-27b "$py" -m bench.vision --shape qwen3.5-27b --megapixels 1,4 --json "$out/vision-27b.json"

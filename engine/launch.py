@@ -88,6 +88,12 @@ class LaunchSettings:
     # program and warps (at a 128 x 128 head for sm_90: 189 registers a thread at 32 x 4 warps,
     # 125 at 16 x 4, 118 at 32 x 8; 128 columns spill)
     gdn_verify_tiles: dict = field(default_factory=lambda: {"BLOCK_V": 32, "num_warps": 4})
+    # a step's Gated DeltaNet prompt rows run through the verify kernel's recurrent form (one
+    # launch, each row's final states copied into its slot: ``backends.TritonLinearAttention``)
+    # when none is longer than this many tokens, else through the Triton conv and fla-core's
+    # chunked rule (0: always the chunked form, until a GPU measures where the recurrent one wins:
+    # ``bench.decode --set gdn_recurrent_prompt_tokens=N``)
+    gdn_recurrent_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

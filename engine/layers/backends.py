@@ -212,14 +212,38 @@ class TritonLinearAttention(TorchLinearAttention):
         return gdn_verify_triton(*args)
 
     def prompt(self, layer, groups, a, b, meta) -> torch.Tensor:
-        """Every prompt row in one call per kernel (CUDA): the Triton conv and fla-core's chunked
-        rule, or fla-core's varlen conv and rule where key and value heads differ in size."""
+        """Every prompt row in one call per kernel (CUDA): rows of a few tokens (the launch
+        setting ``gdn_recurrent_prompt_tokens``) through the verify kernel's recurrent form, each
+        row's final states then copied into its slot; longer ones through the Triton conv and
+        fla-core's chunked rule, or fla-core's varlen conv and rule where key and value heads
+        differ in size."""
+        from .. import launch
+
         gi, d = meta.gdn_ordinal[layer.layer_idx], meta.num_decode
         conv_pool, rec_pool, slots = meta.states.conv[gi], meta.states.recurrent[gi], meta.slot_ids[d:]
+        if meta.prompt.max_seqlen <= launch.current().gdn_recurrent_prompt_tokens:
+            return self.short_rows(layer, groups, a, b, conv_pool, rec_pool, slots, meta.prompt)
         if layer.head_k_dim == layer.head_v_dim:
             return layer._mix_prompt_rows(groups, a, b, conv_pool, rec_pool, slots, meta.prompt)
         g, beta = layer._gates(a, b)
         return layer._mix_varlen(groups, g, beta, conv_pool, rec_pool, slots, meta.prompt)
+
+    @staticmethod
+    def short_rows(layer, groups, a, b, conv_pool, rec_pool, slots, prompt) -> torch.Tensor:
+        """Prompt rows of a few tokens in one launch, each walked token by token from its slot's
+        states (``gdn_verify_triton`` keeping only the states after a row's last token), which
+        then replace the slot's -> ``[t, Hv, V]`` before the output norm."""
+        from .gdn_verify_triton import gdn_verify_triton
+
+        qkv = groups[0] if len(groups) == 1 else torch.cat(groups, dim=-1)
+        rows = slots.shape[0]
+        conv = conv_pool.new_empty((rows, *conv_pool.shape[1:]))
+        state = rec_pool.new_empty((rows, *rec_pool.shape[1:]))
+        o = gdn_verify_triton(qkv, a, b, conv_pool, layer.conv1d.weight, layer.A_log, layer.dt_bias, rec_pool, slots,
+                              prompt.cu_seqlens_long, conv, state, layer.num_k_heads, last_only=True)
+        conv_pool.index_copy_(0, slots, conv)
+        rec_pool.index_copy_(0, slots, state)
+        return o
 
     def tokens(self, layer, groups, g, beta, conv_state, state):
         """fla-core's Triton conv and chunked rule, l2 norms of q and k inside it."""

@@ -17,9 +17,11 @@ from .triton_switch import on_triton
 
 def check_verify_args(qkv: torch.Tensor, conv_pool: torch.Tensor, conv_weight: torch.Tensor,
                       state_pool: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                      conv_out: torch.Tensor, state_out: torch.Tensor, num_k_heads: int) -> None:
-    """The shapes ``gdn_verify`` takes (its docstring)."""
+                      conv_out: torch.Tensor, state_out: torch.Tensor, num_k_heads: int,
+                      last_only: bool = False) -> None:
+    """The shapes ``gdn_verify`` takes (its docstring; ``last_only``: buffers of a row per request)."""
     rows, c = qkv.shape
+    kept = slot_ids.shape[0] if last_only else rows
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
     if state_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not state_pool.is_contiguous() \
@@ -28,12 +30,12 @@ def check_verify_args(qkv: torch.Tensor, conv_pool: torch.Tensor, conv_weight: t
     if conv_pool.shape[1:] != (width - 1, c) or not conv_pool.is_contiguous() or conv_pool.dtype != qkv.dtype \
             or hv % num_k_heads or c != 2 * num_k_heads * dk + hv * dv:
         raise ValueError(f"gdn verify: conv pool {tuple(conv_pool.shape)} for qkv {tuple(qkv.shape)}, width {width}")
-    if conv_out.shape[0] < rows or conv_out.shape[1:] != conv_pool.shape[1:] or conv_out.dtype != conv_pool.dtype \
+    if conv_out.shape[0] < kept or conv_out.shape[1:] != conv_pool.shape[1:] or conv_out.dtype != conv_pool.dtype \
             or not conv_out.is_contiguous():
-        raise ValueError(f"gdn verify: conv buffer {tuple(conv_out.shape)} {conv_out.dtype} for {rows} rows")
-    if state_out.shape[0] < rows or state_out.shape[1:] != state_pool.shape[1:] \
+        raise ValueError(f"gdn verify: conv buffer {tuple(conv_out.shape)} {conv_out.dtype} for {kept} rows")
+    if state_out.shape[0] < kept or state_out.shape[1:] != state_pool.shape[1:] \
             or state_out.dtype != state_pool.dtype or not state_out.is_contiguous():
-        raise ValueError(f"gdn verify: state buffer {tuple(state_out.shape)} {state_out.dtype} for {rows} rows")
+        raise ValueError(f"gdn verify: state buffer {tuple(state_out.shape)} {state_out.dtype} for {kept} rows")
     if cu_seqlens.dim() != 1 or slot_ids.shape != (cu_seqlens.shape[0] - 1,):
         raise ValueError(f"gdn verify: {tuple(slot_ids.shape)} slots for cu_seqlens {tuple(cu_seqlens.shape)}")
 

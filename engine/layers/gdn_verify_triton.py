@@ -69,9 +69,10 @@ def _keep_window(tile, dst_ptr, cols, C, mine, W: tl.constexpr, W_PAD: tl.conste
 def _gdn_verify_kernel(qkv_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, cu_ptr,
                        conv_out_ptr, state_out_ptr, out_ptr, stride_qkv, stride_a, stride_b, C, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                       W: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr):
+                       W: tl.constexpr, W_PAD: tl.constexpr, PDL: tl.constexpr, LAST_ONLY: tl.constexpr):
     """Program ``(r, hv, j)``: value columns ``[j * BV, (j + 1) * BV)`` of value head ``hv`` over
-    the rows of request ``r`` (``cu[r] .. cu[r + 1]``, state slot ``slots[r]``)."""
+    the rows of request ``r`` (``cu[r] .. cu[r + 1]``, state slot ``slots[r]``). ``LAST_ONLY``: the
+    states after the request's last row alone, to buffer row ``r``."""
     pdl_wait(PDL)  # the projections come from the kernel before
     ri = tl.program_id(0)
     hv = tl.program_id(1)
@@ -102,10 +103,16 @@ def _gdn_verify_kernel(qkv_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_pt
         x = tl.load(a_ptr + row * stride_a + hv).to(tl.float32) + dtb
         b = tl.load(b_ptr + row * stride_b + hv).to(tl.float32)
         q, k, v = _silu_conv(tq, wq, dt), _silu_conv(tk, wk, dt), _silu_conv(tv, wv, dt)
-        kept = conv_out_ptr + row * (W - 1) * C
-        _keep_window(tv, kept, v_cols, C, vv < V, W, W_PAD)
-        _keep_window(tq, kept, q_cols, C, lead_cols, W, W_PAD)
-        _keep_window(tk, kept, k_cols, C, lead_cols, W, W_PAD)
+        if LAST_ONLY:  # buffer row ri, written after the last position only
+            keep = ri.to(tl.int64)
+            here = t == n - 1
+        else:
+            keep = row
+            here = t >= 0
+        kept = conv_out_ptr + keep * (W - 1) * C
+        _keep_window(tv, kept, v_cols, C, (vv < V) & here, W, W_PAD)
+        _keep_window(tq, kept, q_cols, C, lead_cols & here, W, W_PAD)
+        _keep_window(tk, kept, k_cols, C, lead_cols & here, W, W_PAD)
 
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -118,7 +125,7 @@ def _gdn_verify_kernel(qkv_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, dtb_pt
         o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * HV * V + hv * V + vv, o)
         held = s.to(state_out_ptr.dtype.element_ty)  # as the pool holds it: the next position reads this
-        tl.store(state_out_ptr + (row * HV + hv) * K * V + head, held)
+        tl.store(state_out_ptr + (keep * HV + hv) * K * V + head, held, mask=head < K * V * here.to(tl.int32))
         s = held.to(tl.float32)
 
 
@@ -126,16 +133,18 @@ def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       state_pool: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       conv_out: torch.Tensor, state_out: torch.Tensor, num_k_heads: int,
-                      block_v: int | None = None) -> torch.Tensor:
+                      block_v: int | None = None, last_only: bool = False) -> torch.Tensor:
     """``qkv`` ``[R, C]`` pre-conv rows ([q | k | v]), ``a``/``b`` ``[R, HV]`` (views of one
     projection's output are fine): request ``i`` has rows ``cu_seqlens[i] .. cu_seqlens[i + 1]``
     (int64 on the device) over state slot ``slot_ids[i]`` of ``conv_pool`` ``[slots, W-1, C]`` and
     ``state_pool`` ``[slots, HV, K, V]`` (fp32, bf16 or fp16), which are only read. The states
     after row ``r`` go to ``conv_out[r]`` and ``state_out[r]`` (the pools' shapes and dtypes past
     the first dim). Returns the output before the norm ``[R, HV, V]`` in ``qkv``'s dtype.
-    ``block_v``: value columns per program (else the launch setting ``gdn_verify_tiles``)."""
+    ``block_v``: value columns per program (else the launch setting ``gdn_verify_tiles``).
+    ``last_only``: the states after each request's last row alone, to ``conv_out[i]`` and
+    ``state_out[i]`` (buffers of one row per request)."""
     check_verify_args(qkv, conv_pool, conv_weight, state_pool, slot_ids, cu_seqlens, conv_out, state_out,
-                      num_k_heads)
+                      num_k_heads, last_only)
     rows, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
@@ -149,5 +158,6 @@ def gdn_verify_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_
             slot_ids, cu_seqlens, conv_out, state_out, out,
             *(row_stride(t, name, "gdn verify") for t, name in ((qkv, "qkv"), (a, "a"), (b, "b"))),
             c, dk**-0.5, H=num_k_heads, HV=hv, K=dk, V=dv, BV=block_v, W=width,
-            W_PAD=triton.next_power_of_2(width), num_warps=tiles.get("num_warps", 4), **pdl_options(qkv))
+            W_PAD=triton.next_power_of_2(width), LAST_ONLY=last_only, num_warps=tiles.get("num_warps", 4),
+            **pdl_options(qkv))
     return out

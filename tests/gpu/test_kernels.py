@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
-                                  check_moe_block, check_moe_norm_route, check_moe_quantized, check_int4_gemv, check_norm_gemv, rel_err)
+                                  check_gdn_short_prompt_rows, check_moe_block, check_moe_norm_route,
+                                  check_moe_quantized, check_int4_gemv, check_norm_gemv, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -158,6 +159,12 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
 def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads, block_v):
     check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128,
                      block_v=block_v)
+
+
+@pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (16, 32)])
+def test_gdn_short_prompt_rows_vs_torch(k_heads, v_heads):
+    """Prompt rows of a few tokens through the verify kernel's recurrent form, at the real head size."""
+    check_gdn_short_prompt_rows("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128)
 
 
 @pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (4, 12)])

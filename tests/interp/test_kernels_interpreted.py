@@ -7,7 +7,8 @@ import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
 from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
-                                  check_moe_block, check_moe_norm_route, check_moe_quantized,
+                                  check_gdn_short_prompt_rows, check_moe_block, check_moe_norm_route,
+                                  check_moe_quantized,
                                   check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
 
 
@@ -143,6 +144,11 @@ def test_gdn_verify(v_heads, block_v, widths):
     """Verify rows of several requests (of different lengths, one or several programs per head)."""
     check_gdn_verify("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, widths=widths,
                      block_v=block_v)
+
+
+@pytest.mark.parametrize("widths", [(3, 1, 5, 2), (8,)])
+def test_gdn_short_prompt_rows(widths):
+    check_gdn_short_prompt_rows("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16, widths=widths)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])

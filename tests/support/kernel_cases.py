@@ -197,6 +197,47 @@ def check_gdn_verify(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
         torch.testing.assert_close(rec.cpu(), rec_ref)
 
 
+def check_gdn_short_prompt_rows(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int,
+                                head_dim: int, widths: tuple[int, ...] = (3, 1, 5, 2)) -> None:
+    """Prompt rows of a few tokens through the verify kernel's recurrent form
+    (``TritonLinearAttention.short_rows``: each row's final states into its slot) against the
+    torch backend's prompt rows on CPU copies of the pools: the outputs before the norm and the
+    slots after, the slots of no row untouched."""
+    import copy
+
+    from ninfer.engine.layers.backends import TorchLinearAttention, TritonLinearAttention
+    from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
+
+    layer = GatedDeltaNet(0, hidden, num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head_dim,
+                          head_v_dim=head_dim)
+    _randomize(layer, 0.5)
+    ref_layer = copy.deepcopy(layer).float()
+    layer = layer.to(device)
+    slots = 9
+    conv = torch.randn(slots, 3, layer.conv_dim, device=device, dtype=dtype)
+    rec = torch.randn(slots, v_heads, head_dim, head_dim, device=device) * 0.1
+    slot_ids = torch.tensor([7, 2, 0, 5, 3, 8][: len(widths)], device=device)
+    bounds = [0, *torch.tensor(widths).cumsum(0).tolist()]
+    rows = bounds[-1]
+    qkv = torch.randn(rows, layer.conv_dim, device=device, dtype=dtype)
+    ab = torch.randn(rows, 2 * v_heads, device=device, dtype=dtype)
+    a, b = ab[:, :v_heads], ab[:, v_heads:]
+    prompt = SimpleNamespace(cu_seqlens_long=torch.tensor(bounds, device=device), max_seqlen=max(widths),
+                             cu_seqlens_host=torch.tensor(bounds), slots_host=slot_ids.tolist())
+
+    conv_ref, rec_ref = conv.cpu().float().clone(), rec.cpu().clone()  # (copies: the CPU pools are these)
+    meta = SimpleNamespace(gdn_ordinal={0: 0}, num_decode=0, slot_ids=slot_ids.cpu(), prompt=prompt,
+                           states=SimpleNamespace(conv=conv_ref[None], recurrent=rec_ref[None]))
+    want = TorchLinearAttention().prompt(ref_layer, (qkv.cpu().float(),), a.cpu().float(), b.cpu().float(), meta)
+    got = TritonLinearAttention.short_rows(layer, (qkv,), a, b, conv, rec, slot_ids, prompt)
+    assert got.shape == (rows, v_heads, head_dim)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel_err(got.float().cpu(), want) < tol
+    assert rel_err(conv.float().cpu(), conv_ref) < tol and rel_err(rec.cpu(), rec_ref) < max(tol, 1e-3)
+    untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
+    assert torch.equal(rec.cpu()[untouched], rec_ref[untouched])
+
+
 def check_gdn_prompt_conv(device: str, dtype: torch.dtype, k_heads: int, v_heads: int, head_dim: int,
                           widths: tuple[int, ...] = (70, 1, 2, 130), split: bool = False,
                           pool_dtype: torch.dtype | None = None) -> None:
