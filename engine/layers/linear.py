@@ -326,24 +326,28 @@ def quantized_method(w: GroupQuantized, device: torch.device) -> LinearMethod:
 
 
 QUANTIZE_GROUPS = (128, 64, 32)  # columns per group of weights quantized at load: the first that divides
-NARROW_COLUMNS = 2048  # int4 weights with fewer input columns take the smallest group (32)
+NARROW_COLUMNS = 2048  # requantized int4 weights with fewer input columns take the smallest group (32)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int) -> GroupQuantized | None:
+def quantize_rtn(w: torch.Tensor, bits: int, requantized: bool = False) -> GroupQuantized | None:
     """A dense ``[out, in]`` weight quantized by rounding to nearest: ``bits`` 4 asymmetric in
     groups of 128 columns (64 or 32 where 128 does not divide them), ``value = scale * q + min``, q
     in 0..15; ``bits`` 8 symmetric per output row (``value = scale * q``, q in -127..127; the row's
     scale repeated over its groups). None where no group size divides the columns.
 
-    4-bit weights of fewer than ``NARROW_COLUMNS`` input columns (a small model's: SmolLM2's 576
-    and 1536) take groups of 32, a 16-bit scale and minimum a group as held (5 bits a weight against 4.25
-    at 128): on the embedded SmolLM2, whose Q4_1 weights are in groups of 32, groups of 64 and
-    128 cost +52% perplexity (each weight rounded a second time to a coarser grid), groups of 32
-    +0.05% (Q4_1's grid is round to nearest between a group's minimum and maximum, which this
-    finds again); a small model's matrices are a small share of the bytes either way."""
+    ``requantized``: ``w`` was itself held in 4-bit groups (a GGUF file's, dequantized): then a
+    4-bit weight of fewer than ``NARROW_COLUMNS`` input columns (a small model's: SmolLM2's 576
+    and 1536) takes groups of 32, a 16-bit scale and minimum a group as held (5 bits a weight
+    against 4.25 at 128): on the embedded SmolLM2, whose Q4_1 weights are in groups of 32, groups
+    of 64 and 128 cost +52% perplexity (each weight rounded a second time to a coarser grid),
+    groups of 32 +0.05% (Q4_1's grid is round to nearest between a group's minimum and maximum,
+    which this finds again); a small model's matrices are a small share of the bytes either way.
+    A dense checkpoint's narrow matrices (the 35B-A3B's 512-column expert downs, a third of its
+    weights) keep groups of 128, the 4.25 bits the launcher plans with."""
     w = w.float()
     out, cols = w.shape
-    groups = QUANTIZE_GROUPS[-1:] if bits == 4 and cols < NARROW_COLUMNS else QUANTIZE_GROUPS
+    narrow = requantized and bits == 4 and cols < NARROW_COLUMNS
+    groups = QUANTIZE_GROUPS[-1:] if narrow else QUANTIZE_GROUPS
     group = next((g for g in groups if cols % g == 0), 0)
     if group == 0:
         return None

@@ -90,7 +90,8 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
             ((name, shard(name, tensor)) for name, tensor in ckpt.weights())
     if weights in QUANTIZED_AT_LOAD:
         keep = True
-        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device), head_bits)
+        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device), head_bits,
+                                    requantized=ckpt.quantized_weights is not None)
     elif keep:
         quantized = ckpt.quantized_weights()
         tensors = placed_quantized(model, quantized if not mtp else chain(quantized, ckpt.mtp_weights()),
@@ -167,14 +168,15 @@ def _holds_quantized(model: CausalLM, name: str, w: GroupQuantized, device: torc
 
 
 def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]],
-                      bits: int, device: torch.device = torch.device("cpu"), head_bits: int = 8
-                      ) -> Iterator[tuple[str, Any]]:
+                      bits: int, device: torch.device = torch.device("cpu"), head_bits: int = 8,
+                      requantized: bool = False) -> Iterator[tuple[str, Any]]:
     """``weights`` with each projection's (a ``Linear`` module's) dense weight quantized to
     ``bits`` (``linear.quantize_rtn``) where a method on ``device`` takes its shape
     (``linear.method_fits``), the MoE experts' to ``bits`` where both their matrices are held so
     (``moe.QuantizedExperts``), and off the CPU the untied LM head's to ``head_bits`` (8 by
     default: sampling reads its logits; 4 where a card has no room for 8); every other tensor
-    (norms, embeddings, routers) as it is."""
+    (norms, embeddings, routers) as it is. ``requantized``: the weights come from a quantized
+    checkpoint, dequantized (``linear.quantize_rtn``'s groups for them)."""
     from ..layers.linear import quantize_rtn
     from ..layers.moe import fuse_expert_weights
 
@@ -187,12 +189,12 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
         except AttributeError:
             module = None
         if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
-            q = quantize_rtn(tensor.to(device), bits)  # on the GPU: the 27B's matrices in seconds
+            q = quantize_rtn(tensor.to(device), bits, requantized)  # on the GPU: the 27B's matrices in seconds
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
         if isinstance(module, FusedExperts) and attr in module.QUANTIZED and tensor.dim() == 3:
-            q = _experts_at_load(module, attr, tensor, bits, device)
+            q = _experts_at_load(module, attr, tensor, bits, device, requantized)
             if q is not None:
                 yield name, q
                 continue
@@ -205,7 +207,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
 
 
 def _experts_at_load(experts: FusedExperts, attr: str, tensor: torch.Tensor, bits: int,
-                     device: torch.device) -> GroupQuantized | None:
+                     device: torch.device, requantized: bool = False) -> GroupQuantized | None:
     """``tensor`` (``[E, N, K]``, one of ``experts``' two matrices) quantized over its ``E * N``
     rows, or None where either matrix's columns take no group or its held form (so both stay
     dense: the kernels take both held or neither)."""
@@ -215,8 +217,8 @@ def _experts_at_load(experts: FusedExperts, attr: str, tensor: torch.Tensor, bit
     for other, (_, n, k) in experts.shapes().items():
         if other == attr:
             continue
-        probe = quantize_rtn(torch.zeros(n, k), bits)  # the groups one expert of the other matrix would take
+        probe = quantize_rtn(torch.zeros(n, k), bits, requantized)  # the groups one expert of the other would take
         if probe is None or not QuantizedExperts.fits(probe, 1, device):
             return None
-    q = quantize_rtn(tensor.to(device).reshape(-1, tensor.shape[-1]), bits)
+    q = quantize_rtn(tensor.to(device).reshape(-1, tensor.shape[-1]), bits, requantized)
     return q if q is not None and QuantizedExperts.fits(q, e, device) else None

@@ -252,3 +252,26 @@ def test_the_27b_on_a_16_gb_card():
 def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():
     plan = make_plan(SHAPES["Qwen3.5-9B"], gpu(16))
     assert plan.settings.lanes > 1 and plan.settings.kv_elt is None and plan.settings.state_elt == 4
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-27B", "Qwen3.5-35B-A3B"])
+@pytest.mark.parametrize("bits, weights", [(4, "4bit"), (8, "int8")])
+def test_the_plan_counts_the_bytes_the_engine_holds_at_the_real_shapes(name, bits, weights):
+    """The 27B and the 35B-A3B built at their real shapes on the meta device (no memory), loaded
+    through ``--weights int4|int8`` as on a GPU (every projection and the MoE experts held
+    quantized, the LM head in 8 bits): the bytes the model holds are the planner's, within 1%."""
+    from ninfer.app.footprint import Settings
+    from ninfer.engine.config import ModelConfig
+    from ninfer.engine.loader import quantized_at_load
+    from ninfer.engine.models.registry import build_model
+
+    shape = SHAPES[name]
+    cfg = ModelConfig.from_hf_dict(KNOWN[name])
+    source = build_model(cfg, torch.bfloat16, "meta")
+    model = build_model(cfg, torch.bfloat16, "meta", lazy=True)
+    model.load_weights(quantized_at_load(model, source.state_dict().items(), bits, torch.device("meta")))
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    planned = model_weight_bytes(shape, Settings(lanes=1, context=4096, prefill_chunk=2048, drafts=0, weights=weights,
+                                                 elt=2, cuda=True, head_bits=8))
+    assert held == pytest.approx(planned, rel=0.01), (held / 2**30, planned / 2**30)

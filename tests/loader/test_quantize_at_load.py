@@ -33,10 +33,14 @@ def test_groups_of_128_or_the_largest_that_divides():
     assert quantize_rtn(torch.randn(16, 48), 4) is None  # left dense
 
 
-def test_narrow_int4_matrices_take_groups_of_32():
-    """Fewer than ``NARROW_COLUMNS`` input columns (a small model's: SmolLM2's 576 and 1536)."""
-    assert quantize_rtn(torch.randn(16, 576), 4).group == 32
-    assert quantize_rtn(torch.randn(16, 1536), 4).group == 32
+def test_narrow_int4_matrices_take_groups_of_32_where_they_were_quantized_before():
+    """Fewer than ``NARROW_COLUMNS`` input columns (a small model's: SmolLM2's 576 and 1536) from a
+    quantized checkpoint; a dense checkpoint's (the 35B-A3B's 512-column expert downs) keep 128."""
+    assert quantize_rtn(torch.randn(16, 576), 4, requantized=True).group == 32
+    assert quantize_rtn(torch.randn(16, 1536), 4, requantized=True).group == 32
+    assert quantize_rtn(torch.randn(16, 512), 4).group == 128
+    assert quantize_rtn(torch.randn(16, 576), 4).group == 64
+    assert quantize_rtn(torch.randn(16, 4096), 4, requantized=True).group == 128
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,11 @@ def test_moe_experts_and_shared_expert_quantized_at_load(tmp_path, weights):
     assert isinstance(experts.gate_up_held, QuantizedExperts) and isinstance(experts.down_held, QuantizedExperts)
     assert experts.gate_up_proj is None and experts.down_proj is None  # no dense copy kept
     assert experts.gate_up_held.bits == (8 if weights == "int8" else 4)
-    x = torch.randn(5, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     ids, wts = ref.route(x)
-    bound = 0.03 if weights == "int8" else 0.3  # measured 1.2% / 18% (int4: random weights in groups of 32)
+    # measured 1.2% and 14-30% (int4 over random weights, which have no structure for 4 bits to keep,
+    # in groups of 64 and 32 with bf16 activations; against 1.6% for the whole model in bf16)
+    bound = 0.03 if weights == "int8" else 0.45
     with torch.no_grad():
         assert relative_error(moe.shared_expert(x), ref.shared_expert(x)) < bound
         assert relative_error(experts(x, ids, wts), ref.experts(x, ids, wts)) < bound
