@@ -254,10 +254,10 @@ def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():
     assert plan.settings.lanes > 1 and plan.settings.kv_elt is None and plan.settings.state_elt == 4
 
 
-@pytest.mark.parametrize("name", ["Qwen3.5-27B", "Qwen3.5-35B-A3B"])
+@pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("bits, weights", [(4, "4bit"), (8, "int8")])
 def test_the_plan_counts_the_bytes_the_engine_holds_at_the_real_shapes(name, bits, weights):
-    """The 27B and the 35B-A3B built at their real shapes on the meta device (no memory), loaded
+    """Each known model built at its real shape on the meta device (no memory), loaded
     through ``--weights int4|int8`` as on a GPU (every projection and the MoE experts held
     quantized, the LM head in 8 bits): the bytes the model holds are the planner's, within 1%."""
     from ninfer.app.footprint import Settings
