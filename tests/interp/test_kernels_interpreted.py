@@ -446,3 +446,36 @@ def test_moe_quantized_experts(tokens, gemv_limit, bits, monkeypatch):
     monkeypatch.setattr(moe_quant_triton, "CHUNK_TOKENS", 16)  # 20 tokens: two launches
     check_moe_quantized(monkeypatch, "cpu", torch.float32, tokens, hidden=64, experts=8, top_k=2, inter=32,
                         bits=bits, gemv_limit=gemv_limit)
+
+
+@pytest.mark.parametrize("rows", [20, 64, 100])  # the tensor-core GEMV up to 64 rows, dequantized blocks past them
+def test_int4_triton_method_rows_past_the_gemv(rows):
+    """bf16 rows of a 4-bit weight held for the Triton kernels past ``GEMV_MAX_ROWS``: its
+    tensor-core product (rows verifying drafts, decode batches past 16), or the weight
+    dequantized for a GEMM (prompt chunks); either equals the dequantized weight's product."""
+    from ninfer.engine.layers import linear
+    from ninfer.engine.layers.linear import GroupQuantized
+
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8)
+    w = GroupQuantized(q, (torch.rand(48, 2) * 0.02 + 0.001).half().float(), (torch.rand(48, 2) * -0.1).half().float(),
+                       128, 4, "test")
+    method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    out = method(x)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), x.float() @ w.dequantize().T) < 1e-2
+
+
+def test_the_tensor_core_gemv_lowers_as_a_gpu_runs_it():
+    """The interpreter runs bf16 dots in fp32 (``DOT_FP32``); the variant a GPU runs, bf16
+    operands straight into ``tl.dot``, lowers for sm_90 too."""
+    from ninfer.engine.layers import quant_gemv_triton as qg
+    from support import kernel_lowering
+
+    x, y = torch.randn(20, 256).to(torch.bfloat16), torch.empty(20, 48, dtype=torch.bfloat16)
+    packed, scale = torch.zeros(48, 128, dtype=torch.uint8), torch.ones(48, 2, dtype=torch.float16)
+    launch = kernel_lowering.launch_of(
+        qg._int4_gemv_dot_kernel, (x, packed, scale, scale, y, 20, 48, 256, 256, 128, 2, 48),
+        {"G": 128, "M_PAD": 32, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": True, "BASE_BITS": 0x4300,
+         "BASE": 128.0, "DOT_FP32": False})
+    assert not kernel_lowering.lower_recorded([launch])
