@@ -34,8 +34,8 @@ two alike; an fp16 weight is within 2^-11 of its Q8_0 value (a 7-bit integer tim
 On the GPU a 4-bit weight is held packed two values a byte with fp16 scales and offsets
 (``TritonGroupMethod``, about 4.25 bits a weight at groups of 128; an 8-bit one a value a byte): decode rows (up to
 ``GEMV_MAX_ROWS``) run the Triton GEMV that streams the packed weight once
-(``quant_gemv_triton.int4_gemv_triton``), up to ``DOT_MAX_ROWS`` rows of a 4-bit weight its
-tensor-core form (``int4_gemv_dot_triton``); prompt rows dequantize the weight, a block of rows at a
+(``quant_gemv_triton.int4_gemv_triton``), up to ``DOT_MAX_ROWS`` rows its tensor-core form
+(``int4_gemv_dot_triton``); prompt rows dequantize the weight, a block of rows at a
 time into a reused buffer, for a cuBLAS product, whose cost a prompt chunk's GEMM amortises.
 """
 from __future__ import annotations
@@ -191,10 +191,10 @@ class Int4CpuMethod(LinearMethod):
 
 
 GEMV_MAX_ROWS = 16  # input rows the 4-bit GEMV takes
-# rows of a 4-bit weight's product on the tensor cores (int4_gemv_dot_triton): a decode batch past
+# rows of a held weight's product on the tensor cores (int4_gemv_dot_triton): a decode batch past
 # 16, or rows verifying drafts (4 requests with 4 drafts are 20), which would otherwise dequantize
 # the whole weight each step (2 bytes a weight written and read again by cuBLAS, against half a
-# byte read); more rows (prompt chunks) dequantize into a buffer for cuBLAS
+# byte read at 4 bits); more rows (prompt chunks) dequantize into a buffer for cuBLAS
 DOT_MAX_ROWS = 64
 DEQUANT_BLOCK_ELEMENTS = 1 << 25  # weight elements dequantized at once (64 MiB in bf16)
 _dequant_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -239,7 +239,7 @@ class TritonGroupMethod(LinearMethod):
         if x2.shape[0] <= GEMV_MAX_ROWS:
             out = int4_gemv_triton(x2, self.packed, self.scale, self.offset, self.group)
             return out.view(*lead, self.out_features)
-        if x2.shape[0] <= DOT_MAX_ROWS and self.bits == 4 and x.dtype in (torch.bfloat16, torch.float16) \
+        if x2.shape[0] <= DOT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
                 and self.group >= 16 and not self.group & (self.group - 1):
             from .quant_gemv_triton import int4_gemv_dot_triton
 

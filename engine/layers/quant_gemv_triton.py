@@ -99,7 +99,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
 def _int4_gemv_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                           G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           HAS_OFFSET: tl.constexpr, BASE_BITS: tl.constexpr, BASE: tl.constexpr,
-                          DOT_FP32: tl.constexpr):
+                          DOT_FP32: tl.constexpr, BITS: tl.constexpr):
     # The products on the tensor cores: each nibble becomes the 16-bit float BASE + q by its bits
     # alone (BASE's exponent, q in the low mantissa bits: ``BASE_BITS | q``, exact), the chunk's
     # [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] product is tl.dot's, and BASE * sum(x) comes off with
@@ -116,10 +116,14 @@ def _int4_gemv_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm,
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None], other=0.0)
-        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
-        lo = ((b & 15) | BASE_BITS).to(x.dtype, bitcast=True)
-        hi = ((b >> 4) | BASE_BITS).to(x.dtype, bitcast=True)
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # BASE + q, columns in order
+        if BITS == 4:
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
+            lo = ((b & 15) | BASE_BITS).to(x.dtype, bitcast=True)
+            hi = ((b >> 4) | BASE_BITS).to(x.dtype, bitcast=True)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # BASE + q, columns in order
+        else:  # one int8 a byte, -128..127: exact in bf16 and fp16, converted (BASE 0)
+            w = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 + kk)[None, :])
+            w = w.to(tl.float32) if DOT_FP32 else w.to(x.dtype)  # (the interpreter's int8 -> bf16 is not exact)
         if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
             r = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32))
         else:
@@ -141,12 +145,14 @@ _DOT_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                          group: int, tiles: dict | None = None) -> torch.Tensor:
-    """``int4_gemv_triton`` for 4-bit weights with the products on the tensor cores (``tl.dot``
-    over the rows padded to 16): ``x`` ``[M, K]`` bf16 or fp16 (M <= 64), ``packed`` ``[N, K / 2]``
-    (``pack_int4``), ``scale``/``offset`` ``[N, K / group]``, groups of a power of two >= 16."""
+    """``int4_gemv_triton`` with the products on the tensor cores (``tl.dot`` over the rows padded
+    to 16): ``x`` ``[M, K]`` bf16 or fp16 (M <= 64), ``packed`` ``[N, K / 2]`` (``pack_int4``) or
+    int8 ``[N, K]``, ``scale``/``offset`` ``[N, K / group]``, groups of a power of two >= 16."""
     m, k = x.shape
     n = packed.shape[0]
-    if x.dtype not in _DOT_BASES or packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or m > 64 or \
+    bits_w = 8 if packed.dtype == torch.int8 else 4
+    if x.dtype not in _DOT_BASES or packed.dtype not in (torch.uint8, torch.int8) or \
+            packed.shape[1] * (8 // bits_w) != k or m > 64 or \
             group < 16 or group & (group - 1) or k % group or tuple(scale.shape) != (n, k // group):
         raise ValueError(f"int4 gemv (dot): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
                          f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not fit")
@@ -157,12 +163,12 @@ def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     if m == 0 or n == 0:
         return y
     t = dict(DOT_TILES, **(tiles or {}))
-    bits, base = _DOT_BASES[x.dtype]
+    bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
     _int4_gemv_dot_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"],
         BLOCK_K=min(t["BLOCK_K"], group), HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base,
-        DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_warps=t["num_warps"])
+        DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, BITS=bits_w, num_warps=t["num_warps"])
     return y
 
 

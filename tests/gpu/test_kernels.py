@@ -231,8 +231,9 @@ def test_int4_gemv(m, n, k, group, with_offset):
 @pytest.mark.parametrize("m", [1, 3, 16, 20, 64])
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 2048, 32), (37, 384, 128)])
 @pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_gemv_on_tensor_cores(m, n, k, group, with_offset):
-    check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2, kernel="dot")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_gemv_on_tensor_cores(m, n, k, group, with_offset, bits):
+    check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2, kernel="dot", bits=bits)
 
 
 @pytest.mark.parametrize("n, k, group", [(5000, 4096, 128), (37, 384, 32)])

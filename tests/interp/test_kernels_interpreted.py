@@ -307,10 +307,11 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
 ])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype):
-    """The 4-bit GEMV's ``tl.dot`` form: nibbles made 16-bit floats by their bits, the base taken
-    off per chunk with the scales."""
-    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="dot")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype, bits):
+    """The GEMV's ``tl.dot`` form: nibbles made 16-bit floats by their bits, the base taken off per
+    chunk with the scales; 8-bit values converted as they are."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="dot", bits=bits)
 
 
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
@@ -466,16 +467,19 @@ def test_int4_triton_method_rows_past_the_gemv(rows):
     assert out.dtype == torch.bfloat16 and rel_err(out.float(), x.float() @ w.dequantize().T) < 1e-2
 
 
-def test_the_tensor_core_gemv_lowers_as_a_gpu_runs_it():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_tensor_core_gemv_lowers_as_a_gpu_runs_it(bits):
     """The interpreter runs bf16 dots in fp32 (``DOT_FP32``); the variant a GPU runs, bf16
     operands straight into ``tl.dot``, lowers for sm_90 too."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
     x, y = torch.randn(20, 256).to(torch.bfloat16), torch.empty(20, 48, dtype=torch.bfloat16)
-    packed, scale = torch.zeros(48, 128, dtype=torch.uint8), torch.ones(48, 2, dtype=torch.float16)
+    packed = torch.zeros(48, 128, dtype=torch.uint8) if bits == 4 else torch.zeros(48, 256, dtype=torch.int8)
+    scale = torch.ones(48, 2, dtype=torch.float16)
     launch = kernel_lowering.launch_of(
-        qg._int4_gemv_dot_kernel, (x, packed, scale, scale, y, 20, 48, 256, 256, 128, 2, 48),
-        {"G": 128, "M_PAD": 32, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": True, "BASE_BITS": 0x4300,
-         "BASE": 128.0, "DOT_FP32": False})
+        qg._int4_gemv_dot_kernel, (x, packed, scale, scale, y, 20, 48, 256, 256, packed.shape[1], 2, 48),
+        {"G": 128, "M_PAD": 32, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
+         "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
+         "BITS": bits})
     assert not kernel_lowering.lower_recorded([launch])
