@@ -304,6 +304,7 @@ def test_int4_gemv(m, n, k, group, tiles, with_offset):
     (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}),  # ragged last row block, chunks of a group
     (3, 16, 384, 128, None),
     (20, 24, 128, 64, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2}),  # rows padded to 32, two chunks a group
+    (5, 16, 64, 16, None),  # GGUF Q6_K's groups of 16: a 16-column chunk
 ])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
