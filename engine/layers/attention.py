@@ -146,11 +146,12 @@ class Attention(NormFusedInput, nn.Module):
         return q, k, v, gate
 
     def _write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, meta,
-                  memo: dict | None, ordinal: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  memo: dict | None, ordinal: int, pools: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's new K/V written into their pages in torch (q/k normed and rotated; quantized
         pages: the keys' rotation or 4-bit ranges, bytes and scales): the query ``[N, H, D]`` as
-        the attention reads it and the output gate (or None)."""
-        k_pages, v_pages, k_scale, v_scale = meta.kv.layer(ordinal)
+        the attention reads it and the output gate (or None). ``pools``: the layer's pages and
+        scales (``meta.kv.layer(ordinal)``)."""
+        k_pages, v_pages, k_scale, v_scale = pools
         q, k, v, gate = self._prepare(q, k, v, positions, memo)
         hkv, hd = self.num_kv_heads, self.head_dim
         keys4 = k_scale is not None and is_packed(k_pages.dtype)

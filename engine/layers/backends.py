@@ -46,7 +46,7 @@ class TorchAttention:
             gate = layer._gate(q)
             q = layer._qkv_fused(q, k, v, positions, meta.write_index, k_pages, v_pages)
         else:
-            q, gate = layer._write_kv(q, k, v, positions, meta, memo, ordinal)
+            q, gate = layer._write_kv(q, k, v, positions, meta, memo, ordinal, (k_pages, v_pages, k_scale, v_scale))
         d, prompt = meta.num_decode, meta.prompt
         parts = []
         if d:
