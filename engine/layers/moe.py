@@ -79,8 +79,9 @@ class QuantizedExperts(nn.Module):
         """Whether ``w`` (``[E * N, K]``) is held this way on ``device``: on the CPU where the int4
         matmul takes one expert's rows; elsewhere in groups of a power of two of at least 16 columns."""
         if torch.device(device).type == "cpu":
-            return cpu_method_fits(GroupQuantized(w.q[: w.shape[0] // experts], w.scale[: w.shape[0] // experts],
-                                                  None, w.group, w.bits, w.kind))
+            n = w.shape[0] // experts
+            return cpu_method_fits(GroupQuantized(w.q[:n], w.scale[:n], None if w.offset is None else w.offset[:n],
+                                                  w.group, w.bits, w.kind))
         return w.group >= 16 and not w.group & (w.group - 1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
