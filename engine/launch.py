@@ -94,6 +94,9 @@ class LaunchSettings:
     # chunked rule (0: always the chunked form, until a GPU measures where the recurrent one wins:
     # ``bench.decode --set gdn_recurrent_prompt_tokens=N``)
     gdn_recurrent_prompt_tokens: int = 0
+    # steps with prompt rows of up to this many tokens replayed from CUDA graphs in pieces, the
+    # token mixers' cores eager between them (``cuda_graph_mixed.py``; 0: every such step eager)
+    mixed_graph_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

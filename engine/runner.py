@@ -114,6 +114,7 @@ class ModelRunner:
         self.sampler = Sampler(device, max_rows)
         self.graphs = None  # CudaGraphDecoder, when captured
         self.verify_graphs = None  # CudaGraphVerifier (steps of decode and verify rows), when captured
+        self.mixed_graphs = None  # MixedGraphs (steps with prompt rows, in pieces), when captured
         # the Gated DeltaNet states after each verified position (``VerifyRows``): one pair of
         # buffers for every verify step, eager or captured, grown as a step needs
         self._verify_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -141,6 +142,12 @@ class ModelRunner:
                                                    max_context, self.device, self.vocab,
                                                    self.verify_buffers(max_batch * verify_width))
             self.verify_graphs.capture(self.graphs.pool)
+        tokens = launch.current().mixed_graph_tokens
+        if tokens:
+            from .cuda_graph_mixed import MixedGraphs
+
+            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, pool=self.graphs.pool)
+            self.mixed_graphs.capture()
 
     def verify_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The verify buffers (``VerifyRows``), of at least ``rows`` positions; None without
@@ -280,7 +287,10 @@ class ModelRunner:
         verify = step.batch.step.verify
         if verify is not None:
             verify.conv, verify.recurrent = self.verify_buffers(verify.positions)
-        hidden = self._forward(step, step.sample_index if step.sampled else None)
+        if self._in_pieces(step):
+            hidden = self.mixed_graphs.run(step.input_ids, step.batch)
+        else:
+            hidden = self._forward(step, step.sample_index if step.sampled else None)
         at, rows = 0, []
         for req, n in step.plan:
             rows.append((req, req.num_computed, n, at))
@@ -298,6 +308,14 @@ class ModelRunner:
         if self.keep_hidden:
             launched.hidden, launched.rows = hidden, rows
         return launched
+
+    def _in_pieces(self, step) -> bool:
+        """Whether a step runs through the captured pieces (``cuda_graph_mixed.py``): not where
+        its final hidden states outlive it (the MTP head's, an embedding request's) or other
+        ranks follow its forward."""
+        return (self.mixed_graphs is not None and self.leader is None and not self.keep_hidden
+                and all(r.pooled is None for r, _ in step.plan)
+                and self.mixed_graphs.fits(step.batch, step.input_ids.shape[0]))
 
     def _encode_images(self, plan: list[tuple[Request, int]]) -> None:
         """Run the vision tower over each image whose tokens this step computes and that has no

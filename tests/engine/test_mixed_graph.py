@@ -1,0 +1,96 @@
+"""Steps with prompt rows through captured pieces (``cuda_graph_mixed.py``) on a CPU: each piece
+is a recording of the operations its capture ran, replayed over the same tensors
+(``support/recorded_graph.py``), so the pieces see only what a CUDA graph would: the token ids
+copied into the static input, the cores' results copied into their static outputs, nothing the
+host decided during the capture. Greedy outputs equal those of eager steps for the dense
+hybrid and the Llama families, prompts beside decode rows and prompts padded to their bucket;
+steps longer than the largest bucket stay eager beside them. (A MoE block's CPU form reads its
+experts' token counts on the host, which no graph can hold; on a GPU its kernels take the
+capture: ``tests/gpu/test_mixed_graph_gpu.py``.)"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ninfer.engine.cuda_graph_mixed import MixedGraphs
+from ninfer.engine.loader import load_checkpoint, load_model
+from support.overlap import drive
+from support.recorded_graph import RecordedGraph
+from support.tiny import save_tiny_llama, save_tiny_qwen3_5
+
+FAMILIES = {"qwen3_5": save_tiny_qwen3_5, "llama": save_tiny_llama}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def parts(request, tmp_path_factory):
+    ckpt = load_checkpoint(FAMILIES[request.param](tmp_path_factory.mktemp("ckpt") / "ckpt"))
+    return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+
+
+def install(max_tokens: int, runs: list):
+    """``prepare`` for ``drive``: the engine's steps with prompt rows through pieces captured for
+    buckets up to ``max_tokens``; ``runs`` gets each such step's token count."""
+
+    def prepare(engine):
+        runner = engine.runner
+        with torch.inference_mode():
+            mixed = MixedGraphs(runner.model, runner.device, max_tokens, graph=RecordedGraph)
+            mixed.capture()
+        assert sorted(mixed.captured) == [b for b in (16, 32, 64) if b <= max_tokens]
+        run = mixed.run
+
+        def counted(input_ids, batch):
+            runs.append(input_ids.shape[0])
+            return run(input_ids, batch)
+
+        mixed.run = counted
+        runner.mixed_graphs = mixed
+
+    return prepare
+
+
+# prompts of 6, 15, 24, 33 and 42 tokens (``support.overlap.prompt``), 32-token chunks: the
+# first steps hold several prompts, later ones a prompt's tail beside decode rows
+SPECS = {0: {"max_tokens": 24}, 1: {"max_tokens": 10}, 2: {"max_tokens": 16}, 3: {"max_tokens": 8},
+         4: {"max_tokens": 12}}
+ARRIVALS = {3: (0, 2), 4: (1, 5)}  # prompts that come while others decode
+
+
+def test_steps_with_prompt_rows_from_the_pieces_give_the_eager_tokens(parts):
+    eager, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
+    runs: list[int] = []
+    pieces, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=install(64, runs))
+    assert pieces == eager
+    assert len(runs) >= 3 and any(n % 16 for n in runs)  # several steps, padded ones among them
+
+
+def test_steps_past_the_largest_bucket_stay_eager_beside_those_in_pieces(parts):
+    eager, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
+    runs: list[int] = []
+    pieces, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=install(16, runs))
+    assert pieces == eager
+    assert runs and max(runs) <= 16  # the longer steps (a 32-token chunk, several prompts) ran eagerly
+
+
+def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, caplog):
+    """A piece that takes a value to the host would replay it frozen: the capture refuses it,
+    and the steps it would have taken stay eager."""
+    model, _ = parts
+    norm = model.model.norm
+    forward = norm.forward
+
+    def reading(x, residual=None):
+        float(x.abs().max())  # a host read, as a stray ``.item()`` in a layer would be
+        return forward(x, residual)
+
+    norm.forward = reading
+    try:
+        with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="ninfer.engine"):
+            mixed = MixedGraphs(model, torch.device("cpu"), 32, graph=RecordedGraph)
+            mixed.capture()
+    finally:
+        del norm.forward
+    assert mixed.captured == {}
+    assert "stay eager" in caplog.text

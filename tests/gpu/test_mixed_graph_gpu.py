@@ -1,0 +1,47 @@
+"""Steps with prompt rows replayed from CUDA graphs in pieces (``cuda_graph_mixed.py``) on the
+GPU: the tokens are those of the same steps run eagerly, for the dense and MoE hybrids (the MoE
+block's kernels inside the pieces) and Llama, with and without decode launched ahead."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.engine.loader import load_checkpoint, load_model
+from support.overlap import drive
+from support.tiny import save_tiny_llama, save_tiny_qwen3_5
+
+pytestmark = pytest.mark.gpu
+BUILDERS = {"llama": save_tiny_llama, "qwen3_5": save_tiny_qwen3_5,
+            "qwen3_5_moe": lambda p: save_tiny_qwen3_5(p, moe=True)}
+# prompts of 6 to 42 tokens in 32-token chunks, two arriving while the others decode
+SPECS = {0: {"max_tokens": 24}, 1: {"max_tokens": 10}, 2: {"max_tokens": 16}, 3: {"max_tokens": 8},
+         4: {"max_tokens": 12}}
+ARRIVALS = {3: (0, 2), 4: (1, 5)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "ahead"])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, overlap, tmp_path_factory,
+                                                                         monkeypatch, set_launch):
+    from ninfer.engine import cuda_graph_mixed
+
+    ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
+    parts = (load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer)
+    runs: list[int] = []
+    run = cuda_graph_mixed.MixedGraphs.run
+    monkeypatch.setattr(cuda_graph_mixed.MixedGraphs, "run",
+                        lambda self, ids, batch: runs.append(ids.shape[0]) or run(self, ids, batch))
+
+    def serve(tokens: int):
+        set_launch(mixed_graph_tokens=tokens)
+        engines = []
+        seen, _ = drive(parts, overlap, SPECS, arrivals=dict(ARRIVALS), device="cuda", engine_out=engines)
+        mixed = engines[0].runner.mixed_graphs
+        assert (sorted(mixed.captured) if mixed else []) == [b for b in (16, 32, 64) if b <= tokens]
+        return seen
+
+    eager = serve(0)
+    assert not runs
+    graphed = serve(64)
+    assert graphed == eager
+    assert len(runs) >= 3 and any(n % 16 for n in runs)
