@@ -34,7 +34,7 @@ from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
 
 log = logging.getLogger("ninfer.engine")
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # at most a third of padding above 32
 
 
 class _Core:
