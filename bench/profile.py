@@ -1,7 +1,7 @@
 """Where a decode step and a prefill spend GPU time: per-kernel totals from the torch profiler.
 
     python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384]
-    python -m bench.profile --shape qwen3.5-0.8b --batch 8 --mixed 16 --mixed-tokens 128
+    python -m bench.profile --shape qwen3.5-0.8b --batch 8 --mixed 16 --mixed-tokens 128 [--set NAME=VALUE]
 
 Builds the same random-weight engine as ``bench.decode``, then profiles a few eager decode steps
 (the kernels a CUDA graph replays) and one prefill, printing the top kernels by GPU time with
@@ -16,7 +16,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .decode import _engine, _requests, _sync
+from .decode import _engine, _requests, _sync, start_on_gpu
 from .shapes import shape_config
 
 
@@ -104,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true", help="also profile the host side of graph-replayed steps")
     p.add_argument("--mixed", type=int, default=0, help="profile one step of this many new prompts beside the batch")
     p.add_argument("--mixed-tokens", type=int, default=128, help="tokens of each --mixed prompt")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change a kernel launch setting first, e.g. mixed_graph_tokens=512")
     args = p.parse_args(argv)
+    if torch.cuda.is_available():
+        start_on_gpu(p, args.set)
+    elif args.set:
+        p.error("--set changes GPU launch settings: needs a CUDA GPU")
     cfg = shape_config(args.shape)
     mixed = args.mixed * args.mixed_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
