@@ -178,17 +178,20 @@ class MTPDrafter(Drafter):
                 return
             keep = torch.tensor([i for i, _, _ in wanted], device=out.device)
             out = out.index_select(0, keep)
-            drafted = sampled_logits(self.model, out, self.vocab).argmax(dim=-1).tolist()
-            drafts = [[d] for d in drafted]
-            for j in range(1, max(k for _, _, k in wanted)):
+            # the chain stays on the device: each head step takes the tokens the one before drafted
+            # there, and the host reads the whole table once, at the end
+            depth = max(k for _, _, k in wanted)
+            table = torch.empty((len(wanted), depth), dtype=torch.long, device=out.device)
+            table[:, 0] = sampled_logits(self.model, out, self.vocab).argmax(dim=-1)
+            for j in range(1, depth):
                 active = [w for w, (_, _, k) in enumerate(wanted) if k > j]
                 rows_j = [(wanted[w][1], wanted[w][1].num_computed + j - 1, 1) for w in active]
-                ids, batch, _ = build_rows(rows_j, [drafts[w][-1] for w in active], self.caches, self.device)
                 sel = torch.tensor(active, device=out.device)
+                ids, batch, _ = build_rows(rows_j, table[:, j - 1].index_select(0, sel), self.caches, self.device)
                 out_j = self.model.mtp_forward(ids, out.index_select(0, sel), batch)
-                for w, d in zip(active, sampled_logits(self.model, out_j, self.vocab).argmax(dim=-1).tolist()):
-                    drafts[w].append(d)
+                table[sel, j] = sampled_logits(self.model, out_j, self.vocab).argmax(dim=-1)
                 out = out.clone()
                 out[sel] = out_j
-        for (_, req, _), draft in zip(wanted, drafts):
-            req.mtp_draft = draft
+            drafts = table.tolist()
+        for (_, req, k), draft in zip(wanted, drafts):
+            req.mtp_draft = draft[:k]

@@ -75,12 +75,18 @@ def build_step(plan: list[tuple[Request, int]], caches: CacheManager, device: to
     return Step(input_ids, batch, plan, sample_t, sampled, widths)
 
 
-def build_rows(rows: list[tuple[Request, int, int]], tokens: list[int], caches: CacheManager,
+def build_rows(rows: list[tuple[Request, int, int]], tokens: list[int] | torch.Tensor, caches: CacheManager,
                device: torch.device) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
     """A forward over ``rows`` of ``(request, first position, tokens)`` with the given ``tokens``
     (flat, in the rows' order; the rows of one token first), outside the requests' cursors: the
-    MTP head's rows (``mtp.py``). Returns the input ids, the batch and the flat index of each
-    row's last token."""
+    MTP head's rows (``mtp.py``). ``tokens`` on the device (rows of one token each: the head's
+    own drafts, never read on the host) are the input ids as they are. Returns the input ids,
+    the batch and the flat index of each row's last token."""
+    if isinstance(tokens, torch.Tensor):
+        if any(n != 1 for _, _, n in rows):
+            raise ValueError("tokens on the device are for rows of one token each")
+        input_ids, batch, _, _, _ = _describe(rows, caches, device, tokens)
+        return input_ids, batch, torch.arange(len(rows), device=device)
     input_ids, batch, last, _, _ = _describe(rows, caches, device, None, tokens=tokens)
     return input_ids, batch, last
 
