@@ -1,11 +1,12 @@
-"""Steps with prompt rows replayed from CUDA graphs in pieces, one set of pieces per token-count bucket.
+"""Steps replayed from CUDA graphs in pieces, one set of pieces per token-count bucket: those with
+prompt rows, and (``--spec mtp``, where no other graph runs) those of decode and verify rows.
 
 What a step computes token by token (the embedding, every projection, norm, MLP and MoE, the
 final norm) depends only on how many tokens it holds; what its token mixers compute over their
 rows (attention's K/V write and its decode and prompt kernels, the Gated DeltaNet's conv and
-recurrence from the state slots: the backends' ``step``) depends on the rows. So a step with
-prompt rows and at most the largest bucket's tokens runs as the graphs captured for the
-smallest bucket that holds it: the pieces between the token mixers' cores replayed, each core
+recurrence from the state slots: the backends' ``step``) depends on the rows. So a step of at
+most the largest bucket's tokens runs as the graphs captured for the smallest bucket that holds
+it (of its kind: with prompt rows, or without, whose token-wise work differs a little): the pieces between the token mixers' cores replayed, each core
 called eagerly between them on the step's real tokens with the step's own description, its
 result copied into the static tensor the next piece reads. The pieces are captured once, at
 engine build, with the cores cut out (``_Capture``: a layer's backend stands in for the real one
@@ -17,10 +18,12 @@ A bucket's pieces take one launch each from the host instead of one per kernel: 
 shape a layer's projections, norms, residual adds and MLP, about a dozen launches, become one
 replay, and only the cores pay Python's cost per kernel.
 
-Steps that stay eager: decode rows only (``cuda_graphs.py``) and verify rows
-(``cuda_graph_verify.py``) have their own graphs; images (embeddings placed in the run,
-three-axis positions), the final hidden states kept (the MTP head, embedding requests), tensor
-parallelism, and more tokens than the largest bucket (long prompt chunks are GPU-bound).
+Steps that stay eager: images (embeddings placed in the run, three-axis positions), embedding
+requests (their final hidden states outlive the step), tensor parallelism, and more tokens than
+the largest bucket (long prompt chunks are GPU-bound). Steps of decode rows only and of decode
+and verify rows have whole graphs of their own (``cuda_graphs.py``, ``cuda_graph_verify.py``),
+except with the MTP head, whose drafts take every step's final hidden states (a view of the
+bucket's static output, read before the next step runs): there those steps take the pieces.
 """
 from __future__ import annotations
 
@@ -107,61 +110,70 @@ class _Bucket:
         self.pieces, self.cores, self.hidden = pieces, cores, hidden
 
 
+PROMPT, ROWS = "prompt", "rows"  # the kinds of step: with prompt rows, or of decode and verify rows only
+
+
 class MixedGraphs:
-    """The pieces of every bucket up to ``max_tokens``, and a step's run through them.
+    """The pieces of every bucket up to ``max_tokens`` for each of ``kinds``, and a step's run
+    through them.
 
     ``graph`` makes a graph (``torch.cuda.CUDAGraph``; tests on a CPU give a recording of the
     pieces' operations that replays them over the same tensors), ``pool`` the memory pool the
     captures share (the decode graphs', when there are some)."""
 
     def __init__(self, model: CausalLM, device: torch.device, max_tokens: int,
-                 graph: Callable[[], object] | None = None, pool=None) -> None:
-        self.model, self.device = model, device
+                 graph: Callable[[], object] | None = None, pool=None, kinds: tuple[str, ...] = (PROMPT,)) -> None:
+        self.model, self.device, self.kinds = model, device, kinds
         self.buckets = [b for b in BUCKETS if b <= max_tokens]
         self.graph = graph or torch.cuda.CUDAGraph
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         top = self.buckets[-1] if self.buckets else 0
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.captured: dict[int, _Bucket] = {}
+        self.captured: dict[tuple[str, int], _Bucket] = {}
 
-    def _batch(self, t: int) -> ForwardBatch:
-        """The batch a bucket's forward is captured with: a step with prompt rows whose
-        description no piece reads (the cores, which read it, are cut out)."""
+    def _batch(self, kind: str, t: int) -> ForwardBatch:
+        """The batch a bucket's forward is captured with: a step of the kind whose description
+        no piece reads (the cores, which read it, are cut out)."""
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         prompt = PromptRows(cu_seqlens=none, cu_seqlens_long=none, cu_seqlens_host=none.cpu(), max_seqlen=t,
-                            slots_host=[], chunks=none)
+                            slots_host=[], chunks=none) if kind == PROMPT else None
         meta = StepMeta(kv=None, states=None, attn_ordinal={}, gdn_ordinal={}, block_tables=none, context_lens=none,
-                        write_index=none, slot_ids=none, num_decode=0, prompt=prompt)
+                        write_index=none, slot_ids=torch.zeros(t, dtype=torch.long, device=self.device),
+                        num_decode=0 if kind == PROMPT else t, prompt=prompt)
         return ForwardBatch(positions=self.positions[:t], seq_lens=[t], caches=[], step=meta)
 
-    def _forward(self, t: int, capture: _Capture) -> torch.Tensor:
+    def _forward(self, kind: str, t: int, capture: _Capture) -> torch.Tensor:
         mixers = list(_mixers(self.model))
         saved = [(m, m.backend) for m, _ in mixers]
         try:
             for m, attention in mixers:
                 m.backend = _Stand(capture.attention if attention else capture.linear_attention)
-            return self.model(self.input_ids[:t], self._batch(t))
+            return self.model(self.input_ids[:t], self._batch(kind, t))
         finally:
             for m, backend in saved:
                 m.backend = backend
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its memory). A bucket that
-        cannot be captured ends the capture: the steps it would have taken stay eager."""
-        for t in reversed(self.buckets):
-            try:
-                self.captured[t] = self._capture(t)
-            except Exception as exc:  # a piece that reads a device value on the host, or the like
-                log.warning("steps with prompt rows stay eager: the %d-token bucket could not be captured (%s)",
-                            t, exc)
-                self.captured.clear()
-                break
+        """Capture every bucket of every kind, largest first (the smaller ones reuse its memory).
+        A bucket that cannot be captured ends the capture of its kind: the steps it would have
+        taken stay eager."""
+        for kind in self.kinds:
+            for t in reversed(self.buckets):
+                try:
+                    self.captured[kind, t] = self._capture(kind, t)
+                except Exception as exc:  # a piece that reads a device value on the host, or the like
+                    log.warning("steps of kind %r stay eager: the %d-token bucket could not be captured (%s)",
+                                kind, t, exc)
+                    for key in [key for key in self.captured if key[0] == kind]:
+                        del self.captured[key]
+                    break
         if self.captured:
-            log.info("captured mixed-step CUDA graphs for %s tokens", sorted(self.captured))
+            log.info("captured CUDA graphs in pieces for steps of %s tokens",
+                     ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
-    def _capture(self, t: int) -> _Bucket:
+    def _capture(self, kind: str, t: int) -> _Bucket:
         outputs: list[torch.Tensor] = []
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
@@ -169,7 +181,7 @@ class MixedGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):  # warm-up: the pieces' kernels compiled and tuned outside the capture
-                self._forward(t, _Capture(outputs, None))
+                self._forward(kind, t, _Capture(outputs, None))
             pieces = [self.graph()]
 
             def cut() -> None:
@@ -180,7 +192,7 @@ class MixedGraphs:
             capture = _Capture(outputs, cut)
             pieces[0].capture_begin(pool=self.pool)
             try:
-                hidden = self._forward(t, capture)
+                hidden = self._forward(kind, t, capture)
             finally:
                 pieces[-1].capture_end()
         if cuda:
@@ -188,20 +200,24 @@ class MixedGraphs:
             torch.cuda.synchronize(self.device)
         return _Bucket(pieces, capture.cores, hidden)
 
-    def bucket(self, n: int) -> int | None:
-        return next((t for t in self.buckets if t >= n and t in self.captured), None)
+    def bucket(self, kind: str, n: int) -> int | None:
+        return next((t for t in self.buckets if t >= n and (kind, t) in self.captured), None)
+
+    @staticmethod
+    def kind(batch: ForwardBatch) -> str:
+        return ROWS if batch.step.prompt is None else PROMPT
 
     def fits(self, batch: ForwardBatch, n: int) -> bool:
         """Whether a step of ``n`` tokens described by ``batch`` runs through the pieces."""
-        meta = batch.step
-        return (meta is not None and meta.prompt is not None and meta.verify is None and batch.mrope is None
-                and batch.embeds is None and self.bucket(n) is not None)
+        return (batch.step is not None and batch.mrope is None and batch.embeds is None
+                and self.bucket(self.kind(batch), n) is not None)
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The step's final hidden states ``[n, hidden]``: a view of the bucket's static output,
         valid until the next step."""
         n = input_ids.shape[0]
-        b = self.captured[self.bucket(n)]
+        kind = self.kind(batch)
+        b = self.captured[kind, self.bucket(kind, n)]
         self.input_ids[:n].copy_(input_ids)
         for piece, core in zip(b.pieces, b.cores):
             piece.replay()

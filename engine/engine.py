@@ -50,7 +50,8 @@ class LLMEngine:
         shape = model.config.with_mtp() if mtp else model.config
         checkpoints = prefix_checkpoints(shape, config)
         num_pages = plan_kv_pages(shape, config, checkpoints)
-        # (MTP: every step eager, for the final hidden states the head takes)
+        # (MTP: no whole-step graphs, for the final hidden states the head takes; its steps take
+        # the graphs in pieces, ``cuda_graph_mixed.py``)
         graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp and config.tensor_parallel == 1
         # captured decode graphs keep one page and one slot for their padding rows
         self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
@@ -73,6 +74,8 @@ class LLMEngine:
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
+        elif mtp and config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1:
+            self.runner.enable_pieces(every_step=True)  # the head reads each step's hidden states
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back

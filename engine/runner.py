@@ -142,11 +142,18 @@ class ModelRunner:
                                                    max_context, self.device, self.vocab,
                                                    self.verify_buffers(max_batch * verify_width))
             self.verify_graphs.capture(self.graphs.pool)
+        self.enable_pieces(pool=self.graphs.pool)
+
+    def enable_pieces(self, every_step: bool = False, pool=None) -> None:
+        """Capture steps with prompt rows in pieces (``cuda_graph_mixed.py``), up to the launch
+        setting ``mixed_graph_tokens``; ``every_step``: the steps of decode and verify rows too
+        (``--spec mtp``, which takes no other graph)."""
+        from .cuda_graph_mixed import PROMPT, ROWS, MixedGraphs
+
         tokens = launch.current().mixed_graph_tokens
         if tokens:
-            from .cuda_graph_mixed import MixedGraphs
-
-            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, pool=self.graphs.pool)
+            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, pool=pool,
+                                            kinds=(PROMPT, ROWS) if every_step else (PROMPT,))
             self.mixed_graphs.capture()
 
     def verify_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -311,9 +318,9 @@ class ModelRunner:
 
     def _in_pieces(self, step) -> bool:
         """Whether a step runs through the captured pieces (``cuda_graph_mixed.py``): not where
-        its final hidden states outlive it (the MTP head's, an embedding request's) or other
-        ranks follow its forward."""
-        return (self.mixed_graphs is not None and self.leader is None and not self.keep_hidden
+        its final hidden states outlive it (an embedding request's; the MTP head reads them
+        before the next step) or other ranks follow its forward."""
+        return (self.mixed_graphs is not None and self.leader is None
                 and all(r.pooled is None for r, _ in step.plan)
                 and self.mixed_graphs.fits(step.batch, step.input_ids.shape[0]))
 

@@ -14,8 +14,9 @@ import logging
 import pytest
 import torch
 
-from ninfer.engine.cuda_graph_mixed import MixedGraphs
+from ninfer.engine.cuda_graph_mixed import PROMPT, ROWS, MixedGraphs
 from ninfer.engine.loader import load_checkpoint, load_model
+from support.mtp_weights import add_mtp_weights
 from support.overlap import drive
 from support.recorded_graph import RecordedGraph
 from support.tiny import save_tiny_llama, save_tiny_qwen3_5
@@ -29,20 +30,20 @@ def parts(request, tmp_path_factory):
     return load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
 
 
-def install(max_tokens: int, runs: list):
-    """``prepare`` for ``drive``: the engine's steps with prompt rows through pieces captured for
-    buckets up to ``max_tokens``; ``runs`` gets each such step's token count."""
+def install(max_tokens: int, runs: list, kinds=(PROMPT,)):
+    """``prepare`` for ``drive``: the engine's steps of ``kinds`` through pieces captured for
+    buckets up to ``max_tokens``; ``runs`` gets each such step's kind and token count."""
 
     def prepare(engine):
         runner = engine.runner
         with torch.inference_mode():
-            mixed = MixedGraphs(runner.model, runner.device, max_tokens, graph=RecordedGraph)
+            mixed = MixedGraphs(runner.model, runner.device, max_tokens, graph=RecordedGraph, kinds=kinds)
             mixed.capture()
-        assert sorted(mixed.captured) == [b for b in (16, 32, 48, 64) if b <= max_tokens]
+        assert sorted(mixed.captured) == sorted((k, b) for k in kinds for b in (16, 32, 48, 64) if b <= max_tokens)
         run = mixed.run
 
         def counted(input_ids, batch):
-            runs.append(input_ids.shape[0])
+            runs.append((mixed.kind(batch), input_ids.shape[0]))
             return run(input_ids, batch)
 
         mixed.run = counted
@@ -63,7 +64,7 @@ def test_steps_with_prompt_rows_from_the_pieces_give_the_eager_tokens(parts):
     runs: list[int] = []
     pieces, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=install(64, runs))
     assert pieces == eager
-    assert len(runs) >= 3 and any(n % 16 for n in runs)  # several steps, padded ones among them
+    assert len(runs) >= 3 and any(n % 16 for _, n in runs)  # several steps, padded ones among them
 
 
 def test_steps_past_the_largest_bucket_stay_eager_beside_those_in_pieces(parts):
@@ -71,7 +72,23 @@ def test_steps_past_the_largest_bucket_stay_eager_beside_those_in_pieces(parts):
     runs: list[int] = []
     pieces, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=install(16, runs))
     assert pieces == eager
-    assert runs and max(runs) <= 16  # the longer steps (a 32-token chunk, several prompts) ran eagerly
+    assert runs and max(n for _, n in runs) <= 16  # the longer steps (a 32-token chunk, several prompts) ran eagerly
+
+
+def test_mtp_steps_in_pieces_give_the_tokens_without_drafts(tmp_path_factory):
+    """With the MTP head every step runs from the pieces that hold it (prompt rows, and the rows
+    that verify the head's drafts, whose final hidden states the head reads after the step)."""
+    path = add_mtp_weights(save_tiny_qwen3_5(tmp_path_factory.mktemp("mtp") / "ckpt"))
+    ckpt = load_checkpoint(path)
+    parts = load_model(ckpt, "cpu", torch.float32, mtp=True), ckpt.tokenizer
+    plain, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
+    runs: list = []
+    engines: list = []
+    fast, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), spec="mtp", draft_tokens=3, engine_out=engines,
+                    prepare=install(64, runs, kinds=(PROMPT, ROWS)))
+    assert fast == plain
+    assert engines[0].counters.spec_rounds > 0
+    assert {kind for kind, _ in runs} == {PROMPT, ROWS}
 
 
 def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, caplog):

@@ -37,7 +37,7 @@ def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, o
         engines = []
         seen, _ = drive(parts, overlap, SPECS, arrivals=dict(ARRIVALS), device="cuda", engine_out=engines)
         mixed = engines[0].runner.mixed_graphs
-        assert (sorted(mixed.captured) if mixed else []) == [b for b in (16, 32, 48, 64) if b <= tokens]
+        assert (sorted(t for _, t in mixed.captured) if mixed else []) == [b for b in (16, 32, 48, 64) if b <= tokens]
         return seen
 
     eager = serve(0)
@@ -45,3 +45,25 @@ def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, o
     graphed = serve(64)
     assert graphed == eager
     assert len(runs) >= 3 and any(n % 16 for n in runs)
+
+
+def test_mtp_steps_in_captured_pieces_give_the_eager_tokens(tmp_path_factory, set_launch):
+    """``--spec mtp`` takes no whole-step graph (the head reads every step's hidden states): its
+    prompt steps and the steps that verify the head's drafts run in pieces, with the tokens of
+    the same engine run eagerly."""
+    from support.mtp_weights import add_mtp_weights
+
+    ckpt = load_checkpoint(add_mtp_weights(save_tiny_qwen3_5(tmp_path_factory.mktemp("mtp") / "ckpt")))
+    parts = (load_model(ckpt, "cuda", torch.float32, mtp=True), ckpt.tokenizer)
+
+    def serve(tokens: int):
+        set_launch(mixed_graph_tokens=tokens)
+        engines = []
+        seen, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), device="cuda", spec="mtp", draft_tokens=3,
+                        engine_out=engines)
+        mixed = engines[0].runner.mixed_graphs
+        assert (mixed is not None and {k for k, _ in mixed.captured} == {"prompt", "rows"}) == bool(tokens)
+        assert engines[0].counters.spec_rounds > 0
+        return seen
+
+    assert serve(64) == serve(0)
