@@ -39,6 +39,18 @@ def pool_row(table: list[int], pos: int, page_size: int) -> int:
     return table[pos // page_size] * page_size + pos % page_size
 
 
+def pool_rows(table: list[int], start: int, n: int, page_size: int) -> list[int]:
+    """``pool_row`` of tokens ``start .. start + n``, a run of rows per page."""
+    rows, pos, end = [], start, start + n
+    while pos < end:
+        page, offset = divmod(pos, page_size)
+        take = min(page_size - offset, end - pos)
+        base = table[page] * page_size + offset
+        rows.extend(range(base, base + take))
+        pos += take
+    return rows
+
+
 class PagedKVPool:
     def __init__(self, num_attn_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, write_slots: int = 0,
