@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import int4_dequantize_triton, int4_gemv_dot_triton, int4_gemv_triton
+from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
+                                                    int4_gemv_split_triton, int4_gemv_triton)
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -154,6 +155,8 @@ _INT4_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
 
 _DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
               for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
+_SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
+                for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
@@ -166,7 +169,8 @@ def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_
     return packed, sz
 
 
-def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128) -> list[dict]:
+def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128, split_only: bool = False
+              ) -> list[dict]:
     """``int4_gemv_triton`` per tile choice (decode rows), the weight dequantized then cuBLAS (prompt
 rows) and torch's tinygemm, against bf16 cuBLAS, at
     ``[M, K] @ [N, K]^T``."""
@@ -201,7 +205,25 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             us = graph_time_us(dequantized, copies)
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
-        if m <= 16:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
+        if m <= 16:  # the split-K form for decode rows (int4_gemv_split_triton), its best tiles
+            split = None
+            for tiles in _SPLIT_TILES:
+                try:
+                    out = int4_gemv_split_triton(x, q0, s0, o0, group, tiles)
+                    us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group, tiles), copies)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+                    bad.append(f"split {tiles}: {type(exc).__name__}")
+                    continue
+                if _rel_err(out, ref) > 2e-2:
+                    bad.append(f"split {tiles}: MISMATCH")
+                elif split is None or us < split[1]:
+                    split = (tiles, us)
+            default_us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group), copies)
+            if split is not None:
+                bad.append(f"split-K GEMV best {split[0]} {split[1]:.1f} us ({nbytes / 1e6 / split[1]:.2f} TB/s, "
+                           f"{cublas / split[1]:.2f}x bf16); default tiles {default_us:.1f} us "
+                           f"({nbytes / 1e6 / default_us:.2f} TB/s)")
+        if m <= 16 and not split_only:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = None
             for tiles in _DOT_TILES:
                 try:
@@ -217,7 +239,7 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             if dot is not None:
                 bad.append(f"tensor-core GEMV {_tile_name(dot[0])} {dot[1]:.1f} us ({nbytes / 1e6 / dot[1]:.2f} TB/s, "
                            f"{cublas / dot[1]:.2f}x bf16)")
-        for tiles in (_INT4_TILES if m <= 16 else []):
+        for tiles in (_INT4_TILES if m <= 16 and not split_only else []):
             try:
                 out = int4_gemv_triton(x, q0, s0, o0, group, tiles)
                 us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group, tiles), copies)
@@ -251,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
+    p.add_argument("--split-only", action="store_true", help="--int4: only the split-K GEMV and tinygemm")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -268,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k in projections(cfg):
         if args.norm and not any(part in NORMED for part in name.split(" = ")):
             continue
-        runs = tune_int4(n, k, rows, args.graph_mb) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
+        runs = tune_int4(n, k, rows, args.graph_mb, split_only=args.split_only) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
         for r in runs:
             mb, cu = r["mb"], r["cublas_us"]
             rule = "-" if args.norm else "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"

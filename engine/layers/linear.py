@@ -232,15 +232,20 @@ class TritonGroupMethod(LinearMethod):
                    None if w.offset is None else w.offset.to(device, torch.float16), w.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .quant_gemv_triton import int4_dequantize_triton, int4_gemv_triton
+        from .. import launch
+        from .quant_gemv_triton import SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_split_triton, int4_gemv_triton
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        pow2 = self.group >= 16 and not self.group & (self.group - 1)
+        if x2.shape[0] <= SPLIT_MAX_ROWS and self.bits == 4 and pow2 and self.group >= 32 \
+                and x.dtype in (torch.bfloat16, torch.float16) and launch.current().int4_split_gemv:
+            out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group)
+            return out.view(*lead, self.out_features)
         if x2.shape[0] <= GEMV_MAX_ROWS:
             out = int4_gemv_triton(x2, self.packed, self.scale, self.offset, self.group)
             return out.view(*lead, self.out_features)
-        if x2.shape[0] <= DOT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
-                and self.group >= 16 and not self.group & (self.group - 1):
+        if x2.shape[0] <= DOT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and pow2:
             from .quant_gemv_triton import int4_gemv_dot_triton
 
             return int4_gemv_dot_triton(x2, self.packed, self.scale, self.offset, self.group).view(

@@ -172,6 +172,107 @@ def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     return y
 
 
+@triton.jit
+def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, STEPS, stride_xm, stride_qn, stride_sn,
+                            stride_ys, stride_ym, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr, BASE_BITS: tl.constexpr,
+                            BASE: tl.constexpr, DOT_FP32: tl.constexpr):
+    # A few rows (decode) against a 4-bit weight on the tensor cores, the K columns split over
+    # ``program_id(1)`` (STEPS chunks each) so a narrow weight still fills the GPU: each program
+    # leaves its partial sums in its own fp32 plane of y (one plane: y is the output). The nibbles
+    # become BASE + q by their bits (no interleave: the even columns' products and the odd ones'
+    # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
+    # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    j = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    k_begin = split * STEPS * BLOCK_K
+    k_end = tl.minimum(K, k_begin + STEPS * BLOCK_K)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K):
+        xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
+        xe = tl.load(xp, mask=mmask[:, None], other=0.0)
+        xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
+        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
+        lo = ((b & 15) | BASE_BITS).to(xe.dtype, bitcast=True)
+        hi = ((b >> 4) | BASE_BITS).to(xe.dtype, bitcast=True)
+        if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
+            r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
+                tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
+        else:
+            r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
+        xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+        sg = rows_in * stride_sn + k0 // G
+        sc = tl.load(s_ptr + sg).to(tl.float32)
+        acc += (r - (BASE * xs)[:, None]) * sc[None, :]
+        if HAS_OFFSET:
+            acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
+    out = y_ptr + split.to(tl.int64) * stride_ys + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+SPLIT_MAX_ROWS = 16  # input rows the split GEMV takes (it pads them to 16 for the tensor cores)
+SPLIT_PROGRAMS_PER_SM = 4  # K is split until the programs number about this many per SM
+_SMS: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def split_count(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """K splits of the split GEMV: enough programs for ``SPLIT_PROGRAMS_PER_SM`` a multiprocessor,
+    at most one chunk of ``block_k`` columns a split."""
+    programs = triton.cdiv(n, block_n)
+    want = SPLIT_PROGRAMS_PER_SM * _sms(device)
+    return max(1, min(k // block_k, triton.cdiv(want, programs)))
+
+
+def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                           group: int, tiles: dict | None = None) -> torch.Tensor:
+    """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
+    4-bit ``packed`` ``[N, K / 2]`` weight in groups of a power of two >= 32, on the tensor cores
+    with K split over programs (tiles: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, and ``SPLIT``, by
+    default ``split_count``); the splits' fp32 partial sums are added after the kernel."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.dtype not in _DOT_BASES or packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or m > SPLIT_MAX_ROWS \
+            or group < 32 or group & (group - 1) or k % group or tuple(scale.shape) != (n, k // group):
+        raise ValueError(f"int4 gemv (split): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
+                         f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not fit")
+    if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
+            offset is not None and not offset.is_contiguous():
+        raise ValueError("int4 gemv (split): x needs a contiguous last dim, packed, scales and offsets must be "
+                         "contiguous")
+    t = dict(SPLIT_TILES, **(tiles or {}))
+    block_k = min(t["BLOCK_K"], group)
+    steps_all = k // block_k
+    split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
+    steps = triton.cdiv(steps_all, min(split, steps_all))
+    split = triton.cdiv(steps_all, steps)
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    bits, base = _DOT_BASES[x.dtype]
+    _int4_gemv_split_kernel[(triton.cdiv(n, t["BLOCK_N"]), split)](
+        x, packed, scale, offset if offset is not None else scale, y, m, n, k, steps, x.stride(0), packed.stride(0),
+        scale.stride(0), y.stride(0), y.stride(1), G=group, M_PAD=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
+        HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16,
+        num_warps=t["num_warps"])
+    return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
 ONE_GROUP_CHUNKS = 32  # groups of at least this many columns run one group (or part of one) a chunk
 
 

@@ -315,6 +315,20 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype, bi
     check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="dot", bits=bits)
 
 
+@pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # ragged rows, 8 chunks in 3 splits
+    (3, 16, 384, 128, None),  # the split the multiprocessors ask for
+    (16, 24, 512, 64, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "SPLIT": 1}),  # one split: y written whole
+    (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "SPLIT": 2}),  # four chunks a group
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
+    """The decode rows' GEMV on the tensor cores with K split over programs: the even and odd
+    columns' products as two dots, the splits' fp32 partial sums added after."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="split")
+
+
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
