@@ -498,3 +498,20 @@ def test_the_tensor_core_gemv_lowers_as_a_gpu_runs_it(bits):
          "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
          "BITS": bits})
     assert not kernel_lowering.lower_recorded([launch])
+
+
+@pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split):
+    """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``, the output
+    in bf16 for one split and fp32 partial planes for several) lowers for sm_90."""
+    from ninfer.engine.layers import quant_gemv_triton as qg
+    from support import kernel_lowering
+
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    y = torch.empty(split, 1, 48, dtype=torch.bfloat16 if split == 1 else torch.float32)
+    packed, scale = torch.zeros(48, 512, dtype=torch.uint8), torch.ones(48, 8, dtype=torch.float16)
+    launch = kernel_lowering.launch_of(
+        qg._int4_gemv_split_kernel, (x, packed, scale, scale, y, 1, 48, 1024, 8 // split, 1024, 512, 8, 48, 48),
+        {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": True, "BASE_BITS": 0x4300,
+         "BASE": 128.0, "DOT_FP32": False})
+    assert not kernel_lowering.lower_recorded([launch])
