@@ -19,6 +19,10 @@ WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.125, "4bit": 
 CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB
+# steps with prompt rows replayed from CUDA graphs in pieces: the graphs' pool holds the
+# activations of the largest bucket, at most this many tokens or a whole step's chunk
+# (``engine/cuda_graph_mixed.py``, the launch setting ``mixed_graph_tokens``)
+PIECE_TOKENS = 2048
 SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per query chunk
 # prefix checkpoints kept on the device by default: their state slots (hybrid models), as the
 # engine sizes them (``engine/memory.prefix_checkpoints``): four per lane, at least 16, halved
@@ -125,7 +129,8 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         "checkpoints": (s.checkpoints + (min(4, max(1, s.checkpoints // 4)) if s.cuda and s.checkpoints else 0))
         * state_bytes_per_lane(shape, s.elt, s.state_elt),
         "workspace": workspace,
-        "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE if s.cuda else 0,
+        "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE
+        + min(PIECE_TOKENS, s.prefill_chunk) * (8 * c.hidden_size + 3 * inter) * s.elt if s.cuda else 0,
         "cuda_context": CUDA_CONTEXT if s.cuda else 0,
         "vision": (shape.vision_params + shape.vision_activations) * s.elt if s.vision else 0,
     }

@@ -110,6 +110,13 @@ class _Bucket:
         self.pieces, self.cores, self.hidden = pieces, cores, hidden
 
 
+def piece_tokens(setting: int, step_tokens: int) -> int:
+    """The largest bucket worth capturing: the launch setting ``mixed_graph_tokens``, or less where
+    the engine's step budget never fills it (the smallest bucket that holds a whole step)."""
+    fits = [b for b in BUCKETS if b >= step_tokens]
+    return min(setting, fits[0] if fits else BUCKETS[-1])
+
+
 PROMPT, ROWS = "prompt", "rows"  # the kinds of step: with prompt rows, or of decode and verify rows only
 
 

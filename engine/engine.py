@@ -73,9 +73,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.caches, self.drafter)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
-                                           config.draft_tokens + 1 if config.spec == "ngram" else 0)
+                                           config.draft_tokens + 1 if config.spec == "ngram" else 0,
+                                           step_tokens=config.step_tokens)
         elif mtp and config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1:
-            self.runner.enable_pieces(every_step=True)  # the head reads each step's hidden states
+            self.runner.enable_pieces(config.step_tokens, every_step=True)  # the head reads each step's hidden states
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back

@@ -56,7 +56,9 @@ def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
     inter = max(model.intermediate_size, model.moe_intermediate_size * max(model.num_experts_per_tok, 1))
     tokens = max(config.prefill_chunk, config.step_tokens) + config.max_concurrency
     if config.cuda_graphs and str(config.device).startswith("cuda"):
-        tokens += launch.current().mixed_graph_tokens
+        from .cuda_graph_mixed import piece_tokens
+
+        tokens += piece_tokens(launch.current().mixed_graph_tokens, config.step_tokens)
     drafts = config.draft_tokens if config.spec != "off" else 0
     verify = config.max_concurrency * (1 + drafts) * _slot_bytes(model, config) if drafts else 0
     return tokens * (8 * model.hidden_size + 3 * inter) * elt + \

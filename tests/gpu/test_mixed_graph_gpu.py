@@ -37,7 +37,8 @@ def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, o
         engines = []
         seen, _ = drive(parts, overlap, SPECS, arrivals=dict(ARRIVALS), device="cuda", engine_out=engines)
         mixed = engines[0].runner.mixed_graphs
-        assert (sorted(t for _, t in mixed.captured) if mixed else []) == [b for b in (16, 32, 48, 64) if b <= tokens]
+        # (buckets up to the one that holds a whole step: the 32-token budget's)
+        assert (sorted(t for _, t in mixed.captured) if mixed else []) == [b for b in (16, 32) if b <= tokens]
         return seen
 
     eager = serve(0)
