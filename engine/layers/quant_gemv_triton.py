@@ -173,13 +173,16 @@ def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 
 @triton.jit
-def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, STEPS, stride_xm, stride_qn, stride_sn,
-                            stride_ys, stride_ym, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr, BASE_BITS: tl.constexpr,
-                            BASE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
+                            stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                            BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
+                            SPLIT: tl.constexpr):
     # A few rows (decode) against a 4-bit weight on the tensor cores, the K columns split over
-    # ``program_id(1)`` (STEPS chunks each) so a narrow weight still fills the GPU: each program
-    # leaves its partial sums in its own fp32 plane of y (one plane: y is the output). The nibbles
+    # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
+    # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
+    # block's programs to arrive (an arrival counter per row block, put back to 0 after) adds
+    # them into y; with one split (SPLIT false) the program writes y itself. The nibbles
     # become BASE + q by their bits (no interleave: the even columns' products and the odd ones'
     # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
     # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x)
@@ -212,8 +215,22 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, STEPS, s
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
         if HAS_OFFSET:
             acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
-    out = y_ptr + split.to(tl.int64) * stride_ys + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+    omask = mmask[:, None] & rmask[None, :]
+    out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    if SPLIT:
+        plane = p_ptr + m[:, None].to(tl.int64) * N + rows[None, :]
+        tl.store(plane + split.to(tl.int64) * stride_ps, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial sums stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:  # the row block's last program: every split's sums are in
+            total = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+            for sp in tl.range(0, SPLITS):
+                # .cg: read from L2, where the other programs' stores landed, never a stale L1 line
+                total += tl.load(plane + sp * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (next layer, graph replay)
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
@@ -244,7 +261,8 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
     4-bit ``packed`` ``[N, K / 2]`` weight in groups of a power of two >= 32, on the tensor cores
     with K split over programs (tiles: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, and ``SPLIT``, by
-    default ``split_count``); the splits' fp32 partial sums are added after the kernel."""
+    default ``split_count``); the splits' fp32 partial sums are added by the last program of each
+    row block to finish, in the same launch."""
     m, k = x.shape
     n = packed.shape[0]
     if x.dtype not in _DOT_BASES or packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or m > SPLIT_MAX_ROWS \
@@ -261,16 +279,39 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
     steps = triton.cdiv(steps_all, min(split, steps_all))
     split = triton.cdiv(steps_all, steps)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+        return y
+    blocks = triton.cdiv(n, t["BLOCK_N"])
+    counts = _arrival_counts(x.device, blocks) if split > 1 else None
+    if split > 1 and counts is None:  # no counters yet, inside a capture: one split
+        split, steps = 1, steps_all
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bits, base = _DOT_BASES[x.dtype]
-    _int4_gemv_split_kernel[(triton.cdiv(n, t["BLOCK_N"]), split)](
-        x, packed, scale, offset if offset is not None else scale, y, m, n, k, steps, x.stride(0), packed.stride(0),
-        scale.stride(0), y.stride(0), y.stride(1), G=group, M_PAD=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
-        HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16,
-        num_warps=t["num_warps"])
-    return y[0] if split == 1 else y.sum(0).to(x.dtype)
+    _int4_gemv_split_kernel[(blocks, split)](
+        x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
+        m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
+        G=group, M_PAD=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k, HAS_OFFSET=offset is not None, BASE_BITS=bits,
+        BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, SPLIT=split > 1, num_warps=t["num_warps"])
+    return y
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # counters a larger set replaced: a captured graph may still use them
+
+
+def _arrival_counts(device: torch.device, n: int) -> torch.Tensor | None:
+    """The split GEMV's arrival counters (int32 zeros, put back to zero by the kernel that used
+    them), ``n`` of them, shared by every launch on ``device`` (one stream's launches run one
+    after another); made outside a CUDA-graph capture only (None inside one, until they exist)."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counts is not None:
+            _OUTGROWN.append(counts)
+        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts
 
 
 ONE_GROUP_CHUNKS = 32  # groups of at least this many columns run one group (or part of one) a chunk

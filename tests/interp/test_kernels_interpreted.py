@@ -500,18 +500,36 @@ def test_the_tensor_core_gemv_lowers_as_a_gpu_runs_it(bits):
     assert not kernel_lowering.lower_recorded([launch])
 
 
+def test_the_split_gemv_puts_its_arrival_counters_back():
+    """Each row block's last program adds the splits' sums and puts its counter back to 0, so the
+    next launch (the next layer, a graph replay) finds them ready: two launches in a row give the
+    same result, and every counter is 0 after."""
+    from ninfer.engine.layers import quant_gemv_triton as qg
+
+    torch.manual_seed(0)
+    packed = qg.pack_int4(torch.randint(0, 16, (96, 512), dtype=torch.uint8))
+    scale = (torch.rand(96, 4) * 0.02 + 0.001).half()
+    x = torch.randn(2, 512).to(torch.bfloat16)
+    tiles = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 2, "SPLIT": 4}
+    first = qg.int4_gemv_split_triton(x, packed, scale, None, 128, tiles)
+    assert torch.equal(qg.int4_gemv_split_triton(x, packed, scale, None, 128, tiles), first)
+    assert not qg._COUNTS[torch.device("cpu")].any()
+
+
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
 def test_the_split_gemv_lowers_as_a_gpu_runs_it(split):
-    """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``, the output
-    in bf16 for one split and fp32 partial planes for several) lowers for sm_90."""
+    """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``; one split
+    writing the output, or several leaving fp32 partial planes that the last to arrive adds)
+    lowers for sm_90."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
-    x = torch.randn(1, 1024).to(torch.bfloat16)
-    y = torch.empty(split, 1, 48, dtype=torch.bfloat16 if split == 1 else torch.float32)
+    x, y = torch.randn(1, 1024).to(torch.bfloat16), torch.empty(1, 48, dtype=torch.bfloat16)
+    partial, counts = torch.empty(split, 1, 48), torch.zeros(1, dtype=torch.int32)
     packed, scale = torch.zeros(48, 512, dtype=torch.uint8), torch.ones(48, 8, dtype=torch.float16)
     launch = kernel_lowering.launch_of(
-        qg._int4_gemv_split_kernel, (x, packed, scale, scale, y, 1, 48, 1024, 8 // split, 1024, 512, 8, 48, 48),
+        qg._int4_gemv_split_kernel,
+        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, 512, 8, 48, 48),
         {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": True, "BASE_BITS": 0x4300,
-         "BASE": 128.0, "DOT_FP32": False})
+         "BASE": 128.0, "DOT_FP32": False, "SPLIT": split > 1})
     assert not kernel_lowering.lower_recorded([launch])
