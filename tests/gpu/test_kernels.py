@@ -236,6 +236,21 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, with_offset, bits):
     check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2, kernel="dot", bits=bits)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n, k, group, tiles", [
+    (5120, 17408, 128, None),  # the 27B's MLP down: K split over programs (the default count)
+    (34816, 5120, 128, None),  # its gate_up: enough row blocks without a split
+    (1000, 2048, 32, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "SPLIT": 8}),
+    (37, 384, 128, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "SPLIT": 3}),
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset):
+    """The decode rows' 4-bit GEMV with K split over programs, the last to arrive adding the
+    partial sums (twice, so the arrival counters are seen put back)."""
+    for _ in range(2):
+        check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, tiles, 2e-2, kernel="split")
+
+
 @pytest.mark.parametrize("n, k, group", [(5000, 4096, 128), (37, 384, 32)])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
