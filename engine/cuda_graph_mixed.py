@@ -6,9 +6,10 @@ final norm) depends only on how many tokens it holds; what its token mixers comp
 rows (attention's K/V write and its decode and prompt kernels, the Gated DeltaNet's conv and
 recurrence from the state slots: the backends' ``step``) depends on the rows. So a step of at
 most the largest bucket's tokens runs as the graphs captured for the smallest bucket that holds
-it (of its kind: with prompt rows, or without, whose token-wise work differs a little): the pieces between the token mixers' cores replayed, each core
-called eagerly between them on the step's real tokens with the step's own description, its
-result copied into the static tensor the next piece reads. The pieces are captured once, at
+it (of its kind: with prompt rows, or without, whose token-wise work differs a little): the
+pieces between the token mixers' cores replayed, each core called eagerly between them on the
+step's real tokens with the step's own description, its result copied into the static tensor
+the next piece reads. The pieces are captured once, at
 engine build, with the cores cut out (``_Capture``: a layer's backend stands in for the real one
 while the forward runs, ends the piece, and hands back the static output); the padding tokens
 past the step's own run through the pieces (finite values, whatever the last step left) and
