@@ -233,12 +233,13 @@ class TritonGroupMethod(LinearMethod):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .. import launch
-        from .quant_gemv_triton import SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_split_triton, int4_gemv_triton
+        from .quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_split_triton,
+                                        int4_gemv_triton, split_takes)
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         pow2 = self.group >= 16 and not self.group & (self.group - 1)
-        if x2.shape[0] <= SPLIT_MAX_ROWS and self.bits == 4 and pow2 and self.group >= 32 \
+        if x2.shape[0] <= SPLIT_MAX_ROWS and split_takes(self.group, self.bits) \
                 and x.dtype in (torch.bfloat16, torch.float16) and launch.current().int4_split_gemv:
             out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group)
             return out.view(*lead, self.out_features)

@@ -177,15 +177,16 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr):
-    # A few rows (decode) against a 4-bit weight on the tensor cores, the K columns split over
+                            SPLIT: tl.constexpr, BITS: tl.constexpr):
+    # A few rows (decode) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
     # block's programs to arrive (an arrival counter per row block, put back to 0 after) adds
     # them into y; with one split (SPLIT false) the program writes y itself. The nibbles
     # become BASE + q by their bits (no interleave: the even columns' products and the odd ones'
     # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
-    # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x)
+    # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x). 8-bit
+    # values (-128..127, a byte each) are converted as they are, exact in bf16 and fp16 (BASE 0).
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -197,19 +198,30 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     k_begin = split * STEPS * BLOCK_K
     k_end = tl.minimum(K, k_begin + STEPS * BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
-        xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
-        xe = tl.load(xp, mask=mmask[:, None], other=0.0)
-        xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
-        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
-        lo = ((b & 15) | BASE_BITS).to(xe.dtype, bitcast=True)
-        hi = ((b >> 4) | BASE_BITS).to(xe.dtype, bitcast=True)
-        if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
-            r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
-                tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
+        if BITS == 4:
+            xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
+            xe = tl.load(xp, mask=mmask[:, None], other=0.0)
+            xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
+            lo = ((b & 15) | BASE_BITS).to(xe.dtype, bitcast=True)
+            hi = ((b >> 4) | BASE_BITS).to(xe.dtype, bitcast=True)
+            if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
+                r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
+                    tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
+            else:
+                r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
+            xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
         else:
-            r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
-        xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None],
+                        other=0.0)
+            w = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 + kk)[None, :])
+            if DOT_FP32:  # (and the interpreter's int8 -> bf16 is not exact)
+                r = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                r = tl.dot(x, tl.trans(w.to(x.dtype)))
+            xs = tl.sum(x.to(tl.float32), 1)
         sg = rows_in * stride_sn + k0 // G
         sc = tl.load(s_ptr + sg).to(tl.float32)
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
@@ -259,14 +271,17 @@ def split_count(n: int, k: int, block_n: int, block_k: int, device: torch.device
 def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                            group: int, tiles: dict | None = None) -> torch.Tensor:
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
-    4-bit ``packed`` ``[N, K / 2]`` weight in groups of a power of two >= 32, on the tensor cores
+    4-bit ``packed`` ``[N, K / 2]`` weight (or an 8-bit ``[N, K]`` one) in groups it takes
+    (``split_takes``), on the tensor cores
     with K split over programs (tiles: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, and ``SPLIT``, by
     default ``split_count``); the splits' fp32 partial sums are added by the last program of each
     row block to finish, in the same launch."""
     m, k = x.shape
     n = packed.shape[0]
-    if x.dtype not in _DOT_BASES or packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or m > SPLIT_MAX_ROWS \
-            or group < 32 or group & (group - 1) or k % group or tuple(scale.shape) != (n, k // group):
+    bits_w = 8 if packed.dtype == torch.int8 else 4
+    if not split_takes(group, bits_w) or x.dtype not in _DOT_BASES or packed.dtype not in (torch.uint8, torch.int8) \
+            or packed.shape[1] * (8 // bits_w) != k or m > SPLIT_MAX_ROWS or k % group \
+            or tuple(scale.shape) != (n, k // group):
         raise ValueError(f"int4 gemv (split): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
                          f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not fit")
     if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
@@ -274,7 +289,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         raise ValueError("int4 gemv (split): x needs a contiguous last dim, packed, scales and offsets must be "
                          "contiguous")
     t = dict(SPLIT_TILES, **(tiles or {}))
-    block_k = min(t["BLOCK_K"], group)
+    block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
     steps_all = k // block_k
     split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
     steps = triton.cdiv(steps_all, min(split, steps_all))
@@ -287,13 +302,20 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     if split > 1 and counts is None:  # no counters yet, inside a capture: one split
         split, steps = 1, steps_all
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    bits, base = _DOT_BASES[x.dtype]
+    bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
     _int4_gemv_split_kernel[(blocks, split)](
         x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
         m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
         G=group, M_PAD=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k, HAS_OFFSET=offset is not None, BASE_BITS=bits,
-        BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, SPLIT=split > 1, num_warps=t["num_warps"])
+        BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
+        num_warps=t["num_warps"])
     return y
+
+
+def split_takes(group: int, bits: int) -> bool:
+    """Whether the split GEMV takes a weight in groups of ``group`` columns: 4-bit ones in groups
+    of a power of two from 32, 8-bit ones (one scale a row, or groups) in groups of a multiple of 32."""
+    return group >= 32 and (not group & (group - 1) if bits == 4 else group % 32 == 0)
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}

@@ -251,6 +251,12 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset):
         check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, tiles, 2e-2, kernel="split")
 
 
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n, k, group", [(248320, 5120, 5120), (4096, 4096, 128)])  # the 27B's 8-bit LM head
+def test_int8_gemv_split_over_k(m, n, k, group):
+    check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, False, None, 2e-2, kernel="split", bits=8)
+
+
 @pytest.mark.parametrize("n, k, group", [(5000, 4096, 128), (37, 384, 32)])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])

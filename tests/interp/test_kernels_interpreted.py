@@ -329,6 +329,18 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
     check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="split")
 
 
+@pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
+    (5, 24, 256, 32, None),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_int8_gemv_split_over_k(m, n, k, group, tiles, dtype):
+    """8-bit weights (the LM head under ``--weights int4``, every projection under ``int8``) take
+    the split GEMV too, a row's one scale included: chunks of the largest power of two dividing
+    it."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, False, tiles, 1e-2, kernel="split", bits=8)
+
+
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -516,8 +528,9 @@ def test_the_split_gemv_puts_its_arrival_counters_back():
     assert not qg._COUNTS[torch.device("cpu")].any()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
-def test_the_split_gemv_lowers_as_a_gpu_runs_it(split):
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits):
     """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``; one split
     writing the output, or several leaving fp32 partial planes that the last to arrive adds)
     lowers for sm_90."""
@@ -526,10 +539,13 @@ def test_the_split_gemv_lowers_as_a_gpu_runs_it(split):
 
     x, y = torch.randn(1, 1024).to(torch.bfloat16), torch.empty(1, 48, dtype=torch.bfloat16)
     partial, counts = torch.empty(split, 1, 48), torch.zeros(1, dtype=torch.int32)
-    packed, scale = torch.zeros(48, 512, dtype=torch.uint8), torch.ones(48, 8, dtype=torch.float16)
+    packed = torch.zeros(48, 512, dtype=torch.uint8) if bits == 4 else torch.zeros(48, 1024, dtype=torch.int8)
+    scale = torch.ones(48, 8, dtype=torch.float16)
     launch = kernel_lowering.launch_of(
         qg._int4_gemv_split_kernel,
-        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, 512, 8, 48, 48),
-        {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": True, "BASE_BITS": 0x4300,
-         "BASE": 128.0, "DOT_FP32": False, "SPLIT": split > 1})
+        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1], 8, 48,
+         48),
+        {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
+         "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
+         "SPLIT": split > 1, "BITS": bits})
     assert not kernel_lowering.lower_recorded([launch])
