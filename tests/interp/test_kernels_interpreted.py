@@ -333,12 +333,13 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
 ])
+@pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_int8_gemv_split_over_k(m, n, k, group, tiles, dtype):
-    """8-bit weights (the LM head under ``--weights int4``, every projection under ``int8``) take
-    the split GEMV too, a row's one scale included: chunks of the largest power of two dividing
-    it."""
-    check_int4_gemv("cpu", dtype, m, n, k, group, False, tiles, 1e-2, kernel="split", bits=8)
+def test_int8_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
+    """8-bit weights (the LM head under ``--weights int4``, every projection under ``int8``, GGUF
+    groups held in 8 bits with their offsets) take the split GEMV too, a row's one scale
+    included: chunks of the largest power of two dividing it."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="split", bits=8)
 
 
 @pytest.mark.parametrize("n, k, group", [(37, 256, 32), (16, 384, 128), (5, 512, 256)])
