@@ -190,7 +190,7 @@ class Int4CpuMethod(LinearMethod):
         return out if flat else out.view(*x.shape[:-1], self.out_features)
 
 
-GEMV_MAX_ROWS = 16  # input rows the 4-bit GEMV takes
+GEMV_MAX_ROWS = 16  # input rows the scalar GEMV takes (a weight the split GEMV, up to 64 rows, does not)
 # rows of a held weight's product on the tensor cores (int4_gemv_dot_triton): a decode batch past
 # 16, or rows verifying drafts (4 requests with 4 drafts are 20), which would otherwise dequantize
 # the whole weight each step (2 bytes a weight written and read again by cuBLAS, against half a

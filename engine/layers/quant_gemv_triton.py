@@ -178,7 +178,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
                             SPLIT: tl.constexpr, BITS: tl.constexpr):
-    # A few rows (decode) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
+    # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
     # block's programs to arrive (an arrival counter per row block, put back to 0 after) adds
@@ -246,7 +246,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
 
 
 SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
-SPLIT_MAX_ROWS = 16  # input rows the split GEMV takes (it pads them to 16 for the tensor cores)
+SPLIT_MAX_ROWS = 64  # input rows the split GEMV takes (padded to a power of two from 16 for the tensor cores)
 SPLIT_PROGRAMS_PER_SM = 4  # K is split until the programs number about this many per SM
 _SMS: dict[int, int] = {}
 
@@ -306,7 +306,8 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     _int4_gemv_split_kernel[(blocks, split)](
         x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
         m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
-        G=group, M_PAD=16, BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k, HAS_OFFSET=offset is not None, BASE_BITS=bits,
+        G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
+        HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
         num_warps=t["num_warps"])
     return y

@@ -320,6 +320,8 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype, bi
     (3, 16, 384, 128, None),  # the split the multiprocessors ask for
     (16, 24, 512, 64, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "SPLIT": 1}),  # one split: y written whole
     (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "SPLIT": 2}),  # four chunks a group
+    (20, 24, 256, 64, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "SPLIT": 2}),  # rows verifying drafts: 32 padded
+    (64, 16, 128, 128, None),
 ])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
