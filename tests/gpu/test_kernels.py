@@ -236,7 +236,7 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, with_offset, bits):
     check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2, kernel="dot", bits=bits)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 20, 64])
 @pytest.mark.parametrize("n, k, group, tiles", [
     (5120, 17408, 128, None),  # the 27B's MLP down: K split over programs (the default count)
     (34816, 5120, 128, None),  # its gate_up: enough row blocks without a split
