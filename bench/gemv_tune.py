@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
+from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_dot_triton,
                                                     int4_gemv_split_triton, int4_gemv_triton)
 
 from .gpu_env import graph_time_us
@@ -205,7 +205,7 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             us = graph_time_us(dequantized, copies)
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
-        if m <= 16:  # the split-K form for decode rows (int4_gemv_split_triton), its best tiles
+        if m <= SPLIT_MAX_ROWS:  # the split-K form for decode and verify rows (int4_gemv_split_triton), its best tiles
             split = None
             for tiles in _SPLIT_TILES:
                 try:

@@ -62,7 +62,7 @@ if [ "$parts" = gemv ]; then
 fi
 if [ "$parts" = int4 ]; then
     run int4-tests "$py" -m pytest -q tests/gpu/test_kernels.py -k "int4 or quant" -p no:cacheprovider
-    run gemv-int4 "$py" -m bench.gemv_tune --int4 --shape qwen3.5-27b --rows 1,8
+    run gemv-int4 "$py" -m bench.gemv_tune --int4 --shape qwen3.5-27b --rows 1,8,20
     run 27b-int4 "$py" -m bench.decode --shape qwen3.5-27b --weights int4 --batches 1,8 --prefill 16384 --steps 16 \
         --no-hf --json "$out/27b-int4.json"
     run 27b-bf16 "$py" -m bench.decode --shape qwen3.5-27b --batches 1 --prefill 16384 --steps 16 --no-hf \
