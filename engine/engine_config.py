@@ -54,7 +54,7 @@ class EngineConfig:
     # a long prefill keeps a checkpoint every this many prompt tokens (the newest only), so a
     # prompt cancelled part-way and sent again goes on from the last one (0 = none)
     progress_anchor: int = 16384
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    cuda_graphs: bool = True  # capture decode steps, and steps with prompt rows in pieces, in CUDA graphs (CUDA only)
     # launch the next decode step before reading this one's tokens (None = on CUDA, where the
     # device runs on while the host reads; on a CPU the launch is the computation itself)
     overlap: bool | None = None
