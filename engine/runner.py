@@ -23,7 +23,7 @@ from .models.base import CausalLM, VerifyRows
 from .request import Request
 from .outputs import TokenLogprob
 from .sampler import Sampler, StepLogprobs
-from .step import build_step
+from .step import build_step, index_on
 
 
 class Launched:
@@ -194,7 +194,7 @@ class ModelRunner:
             raise RuntimeError("a step is launched after one whose tokens are not drawn yet")
         rows = [i for i, r in enumerate(prev.ready) if any(r is q for q in reqs)]
         whole = len(rows) == len(prev.ready)
-        ids = prev.tokens if whole else prev.tokens[torch.tensor(rows, device=self.device)]
+        ids = prev.tokens if whole else prev.tokens[index_on(rows, self.device)]  # (no wait for the device)
         with torch.inference_mode():
             return self._launch_decode([(r, 1) for r in reqs], reqs, ids, follow=whole and prev.in_place,
                                        defer=any(r.grammar is not None for r in reqs))

@@ -20,6 +20,7 @@ import torch
 from .outputs import TokenLogprob
 from .request import Request
 from .sampling_params import SamplingParams
+from .step import index_on
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -143,7 +144,7 @@ def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     for ranked in (True, False):
         rows = [i for i, p in enumerate(params) if _ranked(p, x.shape[-1]) == ranked]
         if rows:
-            at = torch.tensor(rows, device=x.device)
+            at = index_on(rows, x.device)
             p, ids = _candidates(x[at], [params[i] for i in rows], ranked)
             probs[at] = p if ids is None else torch.zeros_like(x[at]).scatter_(-1, ids, p)
     return probs

@@ -123,17 +123,6 @@ def accepted(targets: list[int], draft: list[int]) -> int:
     return j
 
 
-def _on_device(values: list[int], device):
-    """An int64 index on ``device`` without waiting for it: on CUDA a pinned copy sent
-    asynchronously (``torch.tensor(..., device=...)`` from pageable memory waits for the queue)."""
-    import torch
-
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class MTPDrafter(Drafter):
     """Drafts from the checkpoint's MTP head (``--spec mtp``, ``models/mtp.py``). After every step
     (``after_step``) the head runs over the positions each speculating request has just had
@@ -159,7 +148,7 @@ class MTPDrafter(Drafter):
 
         from .request import Status
         from .runner import sampled_logits
-        from .step import build_rows
+        from .step import build_rows, index_on
 
         runs = []  # (request, first position, positions, first flat row)
         for req, start, n, at in rows:
@@ -173,7 +162,7 @@ class MTPDrafter(Drafter):
             return
         runs.sort(key=lambda r: r[2] != 1)  # (stable) rows of one position first
         tokens = [t for req, start, n, _ in runs for t in req.all_ids[start + 1 : start + n + 1]]
-        index = _on_device([at + i for _, _, n, at in runs for i in range(n)], hidden.device)
+        index = index_on([at + i for _, _, n, at in runs for i in range(n)], hidden.device)
         with torch.inference_mode():
             ids, batch, last = build_rows([(r, s, n) for r, s, n, _ in runs], tokens, self.caches, self.device)
             out = self.model.mtp_forward(ids, hidden.index_select(0, index), batch)[last]
@@ -187,7 +176,7 @@ class MTPDrafter(Drafter):
                     wanted.append((i, req, k))
             if not wanted:
                 return
-            keep = _on_device([i for i, _, _ in wanted], out.device)
+            keep = index_on([i for i, _, _ in wanted], out.device)
             out = out.index_select(0, keep)
             # the chain stays on the device: each head step takes the tokens the one before drafted
             # there, and the host reads the whole table once, at the end
@@ -197,7 +186,7 @@ class MTPDrafter(Drafter):
             for j in range(1, depth):
                 active = [w for w, (_, _, k) in enumerate(wanted) if k > j]
                 rows_j = [(wanted[w][1], wanted[w][1].num_computed + j - 1, 1) for w in active]
-                sel = _on_device(active, out.device)
+                sel = index_on(active, out.device)
                 ids, batch, _ = build_rows(rows_j, table[:, j - 1].index_select(0, sel), self.caches, self.device)
                 out_j = self.model.mtp_forward(ids, out.index_select(0, sel), batch)
                 table[sel, j] = sampled_logits(self.model, out_j, self.vocab).argmax(dim=-1)

@@ -34,6 +34,16 @@ class Step:
     widths: list[int] | None = None
 
 
+def index_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device`` without waiting for it: on CUDA a pinned copy sent
+    asynchronously (``torch.tensor(values, device=...)`` copies from pageable memory, which waits
+    for the device's queue)."""
+    host = _int64(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _int64(values: list[int]) -> torch.Tensor:
     """An int64 host tensor of ``values``, through an array (a third of ``torch.tensor``'s time
     on a step's thousands of entries)."""
