@@ -169,6 +169,25 @@ def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_
     return packed, sz
 
 
+def _sweep_tiles(gemv, tile_list: list[dict], label: str, x: torch.Tensor, packs: list, group: int, copies: int,
+                 ref: torch.Tensor, bad: list[str]) -> tuple[dict, float] | None:
+    """``gemv`` at each tile choice: the fastest ``(tiles, us)`` of those that compile and match
+    ``ref``; the others noted in ``bad`` under ``label``."""
+    best = None
+    for tiles in tile_list:
+        try:
+            out = gemv(x, *packs[0], group, tiles)
+            us = graph_time_us(lambda c: gemv(x, *packs[c], group, tiles), copies)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
+            bad.append(f"{label}{tiles}: {type(exc).__name__}")
+            continue
+        if _rel_err(out, ref) > 2e-2:
+            bad.append(f"{label}{tiles}: MISMATCH")
+        elif best is None or us < best[1]:
+            best = (tiles, us)
+    return best
+
+
 def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128, split_only: bool = False
               ) -> list[dict]:
     """``int4_gemv_triton`` per tile choice (decode rows), the weight dequantized then cuBLAS (prompt
@@ -206,50 +225,18 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
         if m <= SPLIT_MAX_ROWS:  # the split-K form for decode and verify rows (int4_gemv_split_triton), its best tiles
-            split = None
-            for tiles in _SPLIT_TILES:
-                try:
-                    out = int4_gemv_split_triton(x, q0, s0, o0, group, tiles)
-                    us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group, tiles), copies)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
-                    bad.append(f"split {tiles}: {type(exc).__name__}")
-                    continue
-                if _rel_err(out, ref) > 2e-2:
-                    bad.append(f"split {tiles}: MISMATCH")
-                elif split is None or us < split[1]:
-                    split = (tiles, us)
+            split = _sweep_tiles(int4_gemv_split_triton, _SPLIT_TILES, "split ", x, packs, group, copies, ref, bad)
             default_us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group), copies)
             if split is not None:
                 bad.append(f"split-K GEMV best {split[0]} {split[1]:.1f} us ({nbytes / 1e6 / split[1]:.2f} TB/s, "
                            f"{cublas / split[1]:.2f}x bf16); default tiles {default_us:.1f} us "
                            f"({nbytes / 1e6 / default_us:.2f} TB/s)")
         if m <= 16 and not split_only:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
-            dot = None
-            for tiles in _DOT_TILES:
-                try:
-                    out = int4_gemv_dot_triton(x, q0, s0, o0, group, tiles)
-                    us = graph_time_us(lambda c: int4_gemv_dot_triton(x, *packs[c], group, tiles), copies)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
-                    bad.append(f"dot {tiles}: {type(exc).__name__}")
-                    continue
-                if _rel_err(out, ref) > 2e-2:
-                    bad.append(f"dot {tiles}: MISMATCH")
-                elif dot is None or us < dot[1]:
-                    dot = (tiles, us)
+            dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:
                 bad.append(f"tensor-core GEMV {_tile_name(dot[0])} {dot[1]:.1f} us ({nbytes / 1e6 / dot[1]:.2f} TB/s, "
                            f"{cublas / dot[1]:.2f}x bf16)")
-        for tiles in (_INT4_TILES if m <= 16 and not split_only else []):
-            try:
-                out = int4_gemv_triton(x, q0, s0, o0, group, tiles)
-                us = graph_time_us(lambda c: int4_gemv_triton(x, *packs[c], group, tiles), copies)
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
-                bad.append(f"{tiles}: {type(exc).__name__}")
-                continue
-            if _rel_err(out, ref) > 2e-2:
-                bad.append(f"{tiles}: MISMATCH")
-            elif best is None or us < best[1]:
-                best = (tiles, us)
+            best = _sweep_tiles(int4_gemv_triton, _INT4_TILES, "", x, packs, group, copies, ref, bad)
         results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
                         "rule": {}, "rule_us": tiny_us, "bad": bad, "cublas_mb": 2 * n * k / 1e6})
     packs.clear()
