@@ -3,7 +3,7 @@
     python -m bench.serve [--shape qwen3.5-9b | --model PATH] [--streams 1,4,16,64]
                           [--prompt-tokens 200] [--prompt-tokens-max N] [--output-tokens 256]
                           [--rate R] [--turns K] [--turn-tokens N] [--concurrency C]
-                          [--temperature T] [--preset documents] [--cache-ab]
+                          [--temperature T] [--preset documents] [--cache-ab] [--repeat N]
                           [--direct-steps 32] [--json FILE] [-- NINFER-SERVE FLAGS ...]
 
 Starts ``ninfer-serve`` on a free port with the flags after ``--`` (``--max-concurrency`` the
@@ -20,7 +20,10 @@ that came from prefix checkpoints; ``-- --no-prefix-cache`` is the run without t
 every first prompt with the same N tokens (sessions sent together with one long system prompt). ``--preset documents`` is
 a document chat load: 12 conversations over documents of 8-28K tokens, 4 turns each, 3 requests
 at a time. ``--cache-ab`` runs the load twice, on a server with the flags given and on one with
-``--no-prefix-cache`` added, and prints both and their ratio. Then,
+``--no-prefix-cache`` added, and prints both and their ratio. ``--repeat N`` runs each load N
+times on its server (each round with prompts of its own, the warm-up before the first only, so
+later rounds meet the checkpoints earlier ones left, as a server that has been up a while does)
+and reports each figure's median over the rounds. Then,
 with the server stopped, it builds the same model with the same engine settings in this process
 and times decode steps at the same batch, so the table reads the HTTP total against what the
 engine alone gives. It prints the table and writes JSON.
@@ -29,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +92,8 @@ class Server:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
+        """Stop the server and wait until every process of its group is gone: its engine process
+        holds the GPU's memory until it exits, and the next server or the engine-direct run needs it."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -94,7 +101,33 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        start, killed = time.monotonic(), False
+        while _group_alive(self.proc.pid) and time.monotonic() - start < 40:
+            if not killed and time.monotonic() - start > 30:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.1)
         self.log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which hold no memory, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
 
 
 def serve_argv(model: str | None, extra: list[str], streams: list[int]) -> list[str]:
@@ -241,6 +274,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="every session's first prompt begins with the same this many tokens (a system prompt)")
     p.add_argument("--cache-ab", action="store_true",
                    help="run the load with the prefix cache and again with --no-prefix-cache, side by side")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of each load on one server (each with prompts of its own); each figure the median")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, HTTP and engine alike")
     p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of the warm-up round (0: none)")
     p.add_argument("--direct-steps", type=int, default=32, help="decode steps timed for the engine-direct figure")
@@ -260,8 +295,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                            args.temperature, args.timeout, args.concurrency, args.prompt_tokens_max,
                            args.shared_tokens)
                       for n in args.stream_counts]
-        if args.direct_steps < 1 or args.warmup_tokens < 0:
-            raise ValueError("--direct-steps must be >= 1 and --warmup-tokens >= 0")
+        if args.direct_steps < 1 or args.warmup_tokens < 0 or args.repeat < 1:
+            raise ValueError("--direct-steps and --repeat must be >= 1, --warmup-tokens >= 0")
     except ValueError as exc:
         p.error(str(exc))
     return args, extra
@@ -277,11 +312,38 @@ def serve_runs(argv_server: list[str], args: argparse.Namespace, label: str, dev
               f"{f'{args.rate:g}/s' if args.rate else 'all at once'}, {args.turns} turn(s)"
               f"{f', {args.concurrency} at a time' if args.concurrency else ''}", flush=True)
         for load in args.loads:
-            runs.append(asyncio.run(measure(server.base_url, load, f"s{load.streams}", args.warmup_tokens)))
-            print(table(runs[-1:]).splitlines()[-1], flush=True)
+            rounds = []
+            for i in range(args.repeat):  # each round's prompts its own: no round hits another's checkpoints
+                rounds.append(asyncio.run(measure(server.base_url, load, f"s{load.streams}" + (f"-r{i}" if i else ""),
+                                                  args.warmup_tokens if i == 0 else 0)))
+                print(table(rounds[-1:]).splitlines()[-1], flush=True)
+                if rounds[-1]["cache_after"]:
+                    print("  after it: " + ", ".join(f"{k.removeprefix('ninfer_')} {v:g}"
+                                                     for k, v in rounds[-1]["cache_after"].items()), flush=True)
+            runs.append(median_run(rounds))
     finally:
         server.stop()
     return runs, server
+
+
+MEDIAN_KEYS = ("wall_s", "total_tok_s", "per_stream_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s",
+               "itl_p99_s", "return_ttft_p50_s", "return_ttft_mean_s", "return_cached_share")
+
+
+def median_run(rounds: list[dict]) -> dict:
+    """One load's rounds as one run: each figure the median over the rounds (the rounds kept)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    run = {**rounds[-1], "rounds": rounds, "prompts": rounds[0]["prompts"]}
+    for k in ("requests", "failed", "output_tokens"):
+        run[k] = sum(r[k] for r in rounds)
+    run["errors"] = sorted({e for r in rounds for e in r["errors"]})
+    for k in MEDIAN_KEYS:
+        xs = [r[k] for r in rounds if r.get(k) is not None]
+        run[k] = statistics.median(xs) if xs else None
+    for r in rounds:
+        r.pop("prompts", None)
+    return run
 
 
 def ab_table(on: list[dict], off: list[dict]) -> str:

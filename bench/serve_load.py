@@ -211,7 +211,25 @@ async def measure(base_url: str, load: Load, tag: str, warmup_tokens: int) -> di
                         max(warmup_tokens, 2), temperature=load.temperature, timeout_s=load.timeout_s)
             await run(client, await plan(client, warm, f"warm-{tag}"), warm)
         records, wall = await run(client, measured, load)
-    return {**summarize(records, wall, load), "prompts": [s.prompt for s in measured]}
+        cache = await cache_gauges(client)
+    return {**summarize(records, wall, load), "prompts": [s.prompt for s in measured], "cache_after": cache}
+
+
+async def cache_gauges(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's prefix-cache and host-memory figures from ``/metrics`` (empty where it has none)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("ninfer_prefix_", "ninfer_host_")):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float | None:

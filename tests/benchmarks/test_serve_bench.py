@@ -128,7 +128,8 @@ def test_cache_ab_runs_the_load_with_and_without_the_prefix_cache(tmp_path, caps
     (["--streams", "4,4"], "give each stream count once"),
     (["--output-tokens", "1"], "output_tokens must be >= 2"),
     (["--rate", "-1"], "rate and temperature must be >= 0"),
-    (["--direct-steps", "0"], "--direct-steps must be >= 1"),
+    (["--direct-steps", "0"], "--direct-steps and --repeat must be >= 1"),
+    (["--repeat", "0"], "--direct-steps and --repeat must be >= 1"),
     (["--shape", "qwen3.5-9b", "--model", "x"], "not allowed with argument"),
     (["--concurrency", "-1"], "concurrency and shared_tokens must be >= 0"),
     (["--shared-tokens", "-1"], "concurrency and shared_tokens must be >= 0"),
@@ -154,3 +155,23 @@ def test_the_documents_preset_is_the_document_chat_load_unless_told_otherwise():
     assert args.loads[0].turns == 2 and args.loads[0].concurrency == 3
     args, _ = parse([])
     assert [ld.streams for ld in args.loads] == [1, 4, 16, 64] and args.loads[0].concurrency == 0
+
+
+def test_repeated_rounds_report_each_figure_as_its_median_over_the_rounds():
+    from bench.serve import median_run, table
+
+    def rnd(tok_s, ttft_p99, itl_p99, failed=0):
+        return {"streams": 16, "requests": 16, "failed": failed, "errors": ["boom"] if failed else [],
+                "output_tokens": 4096, "wall_s": 4096 / tok_s, "total_tok_s": tok_s, "per_stream_tok_s": tok_s / 16,
+                "ttft_p50_s": ttft_p99 / 2, "ttft_p99_s": ttft_p99, "ttft_max_s": ttft_p99, "itl_p50_s": 0.005,
+                "itl_p99_s": itl_p99, "return_ttft_p50_s": None, "return_ttft_mean_s": None,
+                "return_cached_share": None, "prompts": [[1, 2]], "requests_detail": []}
+
+    # one slow outlier round in each figure, each in a different round: the medians ignore all three
+    run = median_run([rnd(1000.0, 0.2, 0.010), rnd(400.0, 0.21, 0.011), rnd(1010.0, 0.9, 0.012),
+                      rnd(990.0, 0.19, 0.050, failed=1)])
+    assert run["total_tok_s"] == pytest.approx(995.0)
+    assert run["ttft_p99_s"] == pytest.approx(0.205) and run["itl_p99_s"] == pytest.approx(0.0115)
+    assert (run["requests"], run["failed"], run["errors"]) == (64, 1, ["boom"])
+    assert len(run["rounds"]) == 4 and "prompts" in run and all("prompts" not in r for r in run["rounds"])
+    assert "| 16 (1 of 64 failed) | 995.0 |" in table([run])
