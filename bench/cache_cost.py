@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             while engine.caches.grow_host():  # what the server's loop pins once idle for a while
                 pass
             if prof is not None:
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.top)
-                print(f"## {mode}: host time of the streams run (cProfile, cumulative)\n{s.getvalue()}", flush=True)
+                for order in ("cumulative", "tottime"):
+                    s = io.StringIO()
+                    pstats.Stats(prof, stream=s).sort_stats(order).print_stats(args.top)
+                    print(f"## {mode}: host time of the streams run (cProfile, {order})\n{s.getvalue()}", flush=True)
         res = {"streams": rounds[-1]}
         if args.conversation:
             res["conversation_ttft_s"] = conversation(engine, cfg, args.conversation, trace=args.trace_turn,
