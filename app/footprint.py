@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_per_token, piece_tokens
 from .model_info import ModelShape, ParamCounts
 
 MiB = 1 << 20
@@ -19,9 +20,10 @@ WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.125, "4bit": 
 CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB
-# steps with prompt rows replayed from CUDA graphs in pieces: the graphs' pool holds the
-# activations of the largest bucket, at most this many tokens or a whole step's chunk
-# (``engine/cuda_graph_mixed.py``, the launch setting ``mixed_graph_tokens``)
+# steps with prompt rows replayed from CUDA graphs in pieces: each bucket up to this many tokens
+# or a whole step's chunk keeps its tensors in the graphs' pool, all of them within a share of
+# the memory the weights leave (``engine/cuda_graph_mixed.py``, the launch setting
+# ``mixed_graph_tokens``)
 PIECE_TOKENS = 2048
 SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per query chunk
 # prefix checkpoints kept on the device by default: their state slots (hybrid models), as the
@@ -98,6 +100,7 @@ class Settings:
     checkpoints: int = 0  # prefix checkpoints kept on the device (--prefix-checkpoints): a state slot each
     embedding_host: bool = False  # --embedding-host: an untied model's token table in host memory
     head_bits: float | None = None  # bits a weight of an untied LM head held quantized (None: the compute dtype)
+    device_free: int = 0  # bytes free on the device before the server loads (0: not known, no share taken)
 
     @property
     def kv_tokens(self) -> int:
@@ -129,12 +132,30 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         "checkpoints": (s.checkpoints + (min(4, max(1, s.checkpoints // 4)) if s.cuda and s.checkpoints else 0))
         * state_bytes_per_lane(shape, s.elt, s.state_elt),
         "workspace": workspace,
-        "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE
-        + min(PIECE_TOKENS, s.prefill_chunk) * (8 * c.hidden_size + 3 * inter) * s.elt if s.cuda else 0,
+        "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE + piece_bytes(shape, s) if s.cuda else 0,
         "cuda_context": CUDA_CONTEXT if s.cuda else 0,
         "vision": (shape.vision_params + shape.vision_activations) * s.elt if s.vision else 0,
     }
     return parts
+
+
+def piece_bytes(shape: ModelShape, s: Settings) -> int:
+    """What the pieces' buckets keep (``cuda_graph_mixed.kept_per_token``): every bucket that
+    holds at most ``PIECE_TOKENS`` or the step's chunk, within ``PIECES_SHARE`` of what the weights
+    leave of ``s.device_free`` (all of them where that is not known), as the engine captures them;
+    and the largest bucket's activations while it is captured."""
+    per_token, shared = kept_per_token(shape.config, s.elt)
+    top = piece_tokens(PIECE_TOKENS, s.prefill_chunk)
+    budget = None
+    if s.device_free:
+        left = s.device_free - model_weight_bytes(shape, s) - CUDA_CONTEXT
+        budget = int(PIECES_SHARE * max(left, 0))
+    kept = buckets_within([b for b in BUCKETS if b <= top], per_token, shared, 1, budget)
+    if not kept:
+        return 0
+    c = shape.config
+    inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
+    return int(sum(kept) * per_token + kept[-1] * shared) + kept[-1] * (8 * c.hidden_size + 3 * inter) * s.elt
 
 
 def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:

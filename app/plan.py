@@ -192,7 +192,7 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
     if want.weights is None and device.cuda and shape.dense:  # too big as it is: quantized at load
         for fmt in QUANTIZE_AT_LOAD:
             trial = Settings(1, MIN_CONTEXT, PREFILL_LADDER[-1], 0, weights, elt, True, vision=want.vision,
-                             head_bits=_head_bits(shape, device, weights))
+                             head_bits=_head_bits(shape, device, weights), device_free=device.free)
             if _fits(shape, device, _compact(shape, device, trial)):
                 break
             reasons.append(f"weights {fmt}: {human(weight_bytes(shape.params, weights, elt))} at {weights} "
@@ -204,7 +204,7 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
         reasons.append("--vision: the model has no vision tower (the server refuses it)")
     base = Settings(lanes=want.lanes or 1, context=MIN_CONTEXT, prefill_chunk=want.prefill_chunk or 512,
                     drafts=0, weights=weights, elt=elt, cuda=device.cuda, vision=want.vision,
-                    head_bits=_head_bits(shape, device, weights))
+                    head_bits=_head_bits(shape, device, weights), device_free=device.free)
     if not device.cuda and want.lanes is None and want.context is None:
         base = replace(base, lanes=CPU_LANES, prefill_chunk=want.prefill_chunk or CPU_PREFILL)
         cap = min(cap, CPU_CONTEXT)
@@ -319,13 +319,15 @@ def _what_fits(shape: ModelShape, device: Device, want: Want, weights: str, chun
     asked = f"{lanes} request(s)" + (f" of {want.context:,} tokens" if want.context else "")
     options = []
     for fewer in range(lanes, 0, -1):
-        s = Settings(fewer, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision)
+        s = Settings(fewer, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision,
+                     device_free=device.free)
         ctx = _best_context(shape, device, s, min(shape.max_context, want.context or shape.max_context))
         if ctx is not None:
             options.append(f"{fewer} request(s) of up to {ctx:,} tokens")
             break
     if want.context:
-        s = Settings(lanes, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision)
+        s = Settings(lanes, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision,
+                     device_free=device.free)
         ctx = _best_context(shape, device, s, shape.max_context)
         if ctx is not None and ctx < want.context:
             options.append(f"{lanes} request(s) of up to {ctx:,} tokens")

@@ -19,6 +19,17 @@ A bucket's pieces take one launch each from the host instead of one per kernel: 
 shape a layer's projections, norms, residual adds and MLP, about a dozen launches, become one
 replay, and only the cores pay Python's cost per kernel.
 
+Memory: what one piece leaves for the core after it (the mixer's inputs, views of the
+projections' outputs) stays allocated in the graphs' pool for as long as the bucket is kept,
+so every bucket holds its own, in proportion to its tokens (``graph_buckets.kept_per_token``: at
+the 9B shape 0.77 MB a token, 5.4 GB for every bucket up to 2,048); the cores' static outputs
+are one set, sized for the largest bucket, that every bucket uses the head of. The engine
+captures the pieces before it sizes the KV cache, so the cache is planned around what they took
+(before, a cache planned to fill the memory left the larger buckets no room, and their steps ran
+eagerly), and gives them at most ``PIECES_SHARE`` of the memory free then: a probe forward of
+the smallest bucket measures the bytes a bucket keeps per token, and the buckets above what the
+share holds are not captured (their steps stay eager).
+
 Steps that stay eager: images (embeddings placed in the run, three-axis positions), embedding
 requests (their final hidden states outlive the step), tensor parallelism, and more tokens than
 the largest bucket (long prompt chunks are GPU-bound). Steps of decode rows only and of decode
@@ -34,11 +45,13 @@ from typing import Callable
 
 import torch
 
+from . import launch
+from .graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, piece_tokens
+from .memory import free_memory_bytes
 from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
 
 log = logging.getLogger("ninfer.engine")
 
-BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # at most a third of padding above 32
 
 
 class _Core:
@@ -69,10 +82,12 @@ class _Capture:
         self.outputs, self.cut, self.cores = outputs, cut, []
 
     def _out(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """The core's static output: the head of the shared one sized for the largest bucket (the
+        probe, which runs before they exist, makes its own)."""
         i = len(self.cores)
-        if i == len(self.outputs):  # the warm-up run: made here, outside any capture
+        if i == len(self.outputs):  # the probe: made here, outside any capture
             self.outputs.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-        return self.outputs[i]
+        return self.outputs[i][: shape[0]]
 
     def attention(self, layer, q, k, v, positions, meta, memo) -> torch.Tensor:
         out = self._out((q.shape[0], layer.num_heads, layer.head_dim), q)
@@ -110,12 +125,23 @@ class _Bucket:
     def __init__(self, pieces: list, cores: list[_Core], hidden: torch.Tensor) -> None:
         self.pieces, self.cores, self.hidden = pieces, cores, hidden
 
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors of the graphs' pool this bucket keeps: its cores' inputs and its final
+        hidden states (the cores' outputs are shared)."""
+        return [x for core in self.cores for x in _flat(core.inputs)] + [self.hidden]
 
-def piece_tokens(setting: int, step_tokens: int) -> int:
-    """The largest bucket worth capturing: the launch setting ``mixed_graph_tokens``, or less where
-    the engine's step budget never fills it (the smallest bucket that holds a whole step)."""
-    fits = [b for b in BUCKETS if b >= step_tokens]
-    return min(setting, fits[0] if fits else BUCKETS[-1])
+
+def _flat(xs) -> list[torch.Tensor]:
+    return [y for x in xs for y in (_flat(x) if isinstance(x, (tuple, list)) else [x])]
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the distinct storages under ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 PROMPT, ROWS = "prompt", "rows"  # the kinds of step: with prompt rows, or of decode and verify rows only
@@ -130,15 +156,49 @@ class MixedGraphs:
     captures share (the decode graphs', when there are some)."""
 
     def __init__(self, model: CausalLM, device: torch.device, max_tokens: int,
-                 graph: Callable[[], object] | None = None, pool=None, kinds: tuple[str, ...] = (PROMPT,)) -> None:
+                 graph: Callable[[], object] | None = None, pool=None, kinds: tuple[str, ...] = (PROMPT,),
+                 budget: int | None = None) -> None:
+        """``budget``: the most bytes the buckets may keep (None: no limit); the buckets above what
+        it holds are left out (``buckets_within``, from a probe forward of the smallest)."""
         self.model, self.device, self.kinds = model, device, kinds
         self.buckets = [b for b in BUCKETS if b <= max_tokens]
         self.graph = graph or torch.cuda.CUDAGraph
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
+        self.captured: dict[tuple[str, int], _Bucket] = {}
+        self.outputs: list[torch.Tensor] = []  # the cores' static outputs, shared by every bucket
+        self.input_ids = torch.zeros(self.buckets[0] if self.buckets else 0, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.input_ids)
+        if self.buckets:
+            self.buckets = self._fitted(budget)
         top = self.buckets[-1] if self.buckets else 0
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.captured: dict[tuple[str, int], _Bucket] = {}
+
+    @torch.inference_mode()
+    def _fitted(self, budget: int | None) -> list[int]:
+        """The buckets ``budget`` holds, and the shared outputs made for the largest of them: a
+        forward of the smallest bucket (no capture) shows what a bucket keeps per token."""
+        t = self.buckets[0]
+        probe = _Capture([], None)
+        hidden = self._forward(self.kinds[0], t, probe)
+        per_token = storage_bytes(_Bucket([], probe.cores, hidden).kept()) / t
+        shared = storage_bytes(probe.outputs) / t
+        self.per_token, self.shared_per_token = per_token, shared
+        kept = buckets_within(self.buckets, per_token, shared, len(self.kinds), budget)
+        if len(kept) < len(self.buckets):
+            log.info("CUDA graphs in pieces up to %s tokens (%d MiB of the %d MiB they may take; %d tokens would "
+                     "take %d MiB)", kept[-1] if kept else 0,
+                     (sum(kept) * per_token * len(self.kinds) + (kept[-1] if kept else 0) * shared) / 2**20,
+                     budget / 2**20, self.buckets[-1],
+                     (sum(self.buckets) * per_token * len(self.kinds) + self.buckets[-1] * shared) / 2**20)
+        if kept:
+            self.outputs = [torch.zeros((kept[-1], *o.shape[1:]), dtype=o.dtype, device=o.device)
+                            for o in probe.outputs]
+        return kept
+
+    def held_bytes(self) -> int:
+        """The bytes the captured buckets keep: their own tensors and the shared outputs."""
+        return storage_bytes([x for b in self.captured.values() for x in b.kept()] + self.outputs)
 
     def _batch(self, kind: str, t: int) -> ForwardBatch:
         """The batch a bucket's forward is captured with: a step of the kind whose description
@@ -182,7 +242,7 @@ class MixedGraphs:
                      ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
     def _capture(self, kind: str, t: int) -> _Bucket:
-        outputs: list[torch.Tensor] = []
+        outputs = self.outputs
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
@@ -232,3 +292,20 @@ class MixedGraphs:
             core.run(n, batch)
         b.pieces[-1].replay()
         return b.hidden[:n]
+
+
+def capture_pieces(model: CausalLM, device: torch.device, config, every_step: bool = False) -> MixedGraphs | None:
+    """The pieces an engine of ``config`` runs its steps with prompt rows through (``every_step``:
+    its decode and verify rows too, for the MTP head), up to the launch setting
+    ``mixed_graph_tokens`` or the bucket that holds a whole step, within ``PIECES_SHARE`` of the
+    memory free now; captured, with what their warm-up left cached given back. None where no
+    bucket is wanted."""
+    tokens = piece_tokens(launch.current().mixed_graph_tokens, config.step_tokens)
+    if not tokens:
+        return None
+    budget = int(PIECES_SHARE * free_memory_bytes(device, config.gpu_memory_gib))
+    pieces = MixedGraphs(model, device, tokens, kinds=(PROMPT, ROWS) if every_step else (PROMPT,), budget=budget)
+    pieces.capture()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return pieces

@@ -16,6 +16,7 @@ import torch
 
 from . import thinking
 from .cache.manager import CacheManager
+from .cuda_graph_mixed import capture_pieces
 from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
@@ -48,11 +49,15 @@ class LLMEngine:
         mtp = config.spec == "mtp"
         # with the MTP head its layers are attention layers after the stack, K/V in the same pages
         shape = model.config.with_mtp() if mtp else model.config
-        checkpoints = prefix_checkpoints(shape, config)
-        num_pages = plan_kv_pages(shape, config, checkpoints)
         # (MTP: no whole-step graphs, for the final hidden states the head takes; its steps take
         # the graphs in pieces, ``cuda_graph_mixed.py``)
         graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp and config.tensor_parallel == 1
+        # steps with prompt rows (with MTP every step) in pieces, captured before the caches are
+        # sized: the KV cache is planned around the memory they keep
+        pieces = capture_pieces(model, self.device, config, every_step=mtp) \
+            if config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1 else None
+        checkpoints = prefix_checkpoints(shape, config)
+        num_pages = plan_kv_pages(shape, config, checkpoints)
         # captured decode graphs keep one page and one slot for their padding rows
         self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
@@ -73,10 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.caches, self.drafter)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
-                                           config.draft_tokens + 1 if config.spec == "ngram" else 0,
-                                           step_tokens=config.step_tokens)
-        elif mtp and config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1:
-            self.runner.enable_pieces(config.step_tokens, every_step=True)  # the head reads each step's hidden states
+                                           config.draft_tokens + 1 if config.spec == "ngram" else 0)
+        self.runner.mixed_graphs = pieces if pieces is not None and pieces.captured else None
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap
         self._ahead: Launched | None = None  # a decode step launched before its inputs were read back

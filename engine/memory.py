@@ -5,7 +5,6 @@ import os
 
 import torch
 
-from . import launch
 from .cache.kv_pool import PagedKVPool
 from .cache.manager import kv_bytes_per_token, state_shapes
 from .cache.state_pool import StateSlotPool
@@ -50,15 +49,11 @@ def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
     few hidden-sized and one logits-sized buffer. With speculative decoding every decoding row
     may verify ``draft_tokens`` more positions (their logits), and in a hybrid model keeps the
     Gated DeltaNet states after each of its ``1 + draft_tokens`` positions (``models/base.VerifyRows``).
-    Steps with prompt rows captured in pieces (the launch setting ``mixed_graph_tokens``) hold
-    their largest bucket's activations in the graphs' pool besides."""
+    (Steps with prompt rows captured in pieces keep their tensors in the graphs' pool: they are
+    captured before the caches are sized, so the free memory those are planned from counts them.)"""
     elt = torch.empty((), dtype=config.dtype).element_size()
     inter = max(model.intermediate_size, model.moe_intermediate_size * max(model.num_experts_per_tok, 1))
     tokens = max(config.prefill_chunk, config.step_tokens) + config.max_concurrency
-    if config.cuda_graphs and str(config.device).startswith("cuda"):
-        from .cuda_graph_mixed import piece_tokens
-
-        tokens += piece_tokens(launch.current().mixed_graph_tokens, config.step_tokens)
     drafts = config.draft_tokens if config.spec != "off" else 0
     verify = config.max_concurrency * (1 + drafts) * _slot_bytes(model, config) if drafts else 0
     return tokens * (8 * model.hidden_size + 3 * inter) * elt + \

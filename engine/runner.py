@@ -128,10 +128,11 @@ class ModelRunner:
         # the other ranks before its forward
         self.leader = None
 
-    def enable_cuda_graphs(self, max_batch: int, max_context: int, verify_width: int = 0,
-                           step_tokens: int = 2048) -> None:
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, verify_width: int = 0) -> None:
         """Capture decode steps, and with ``verify_width`` > 1 (and the launch setting
-        ``verify_in_graph``) steps of decode and verify rows of up to that many positions each."""
+        ``verify_in_graph``) steps of decode and verify rows of up to that many positions each.
+        (Steps with prompt rows take graphs in pieces, captured before the caches:
+        ``cuda_graph_mixed.capture_pieces``.)"""
         from .cuda_graphs import CudaGraphDecoder
 
         self.graphs = CudaGraphDecoder(self.model, self.caches, max_batch, max_context, self.device, self.vocab)
@@ -143,20 +144,6 @@ class ModelRunner:
                                                    max_context, self.device, self.vocab,
                                                    self.verify_buffers(max_batch * verify_width))
             self.verify_graphs.capture(self.graphs.pool)
-        self.enable_pieces(step_tokens, pool=self.graphs.pool)
-
-    def enable_pieces(self, step_tokens: int, every_step: bool = False, pool=None) -> None:
-        """Capture steps with prompt rows in pieces (``cuda_graph_mixed.py``), up to the launch
-        setting ``mixed_graph_tokens`` or the bucket that holds a step of ``step_tokens`` (the
-        engine's budget); ``every_step``: the steps of decode and verify rows too (``--spec mtp``,
-        which takes no other graph)."""
-        from .cuda_graph_mixed import PROMPT, ROWS, MixedGraphs, piece_tokens
-
-        tokens = piece_tokens(launch.current().mixed_graph_tokens, step_tokens)
-        if tokens:
-            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, pool=pool,
-                                            kinds=(PROMPT, ROWS) if every_step else (PROMPT,))
-            self.mixed_graphs.capture()
 
     def verify_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The verify buffers (``VerifyRows``), of at least ``rows`` positions; None without

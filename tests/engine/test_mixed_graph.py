@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ninfer.engine.cuda_graph_mixed import PROMPT, ROWS, MixedGraphs
+from ninfer.engine.graph_buckets import kept_per_token
 from ninfer.engine.loader import load_checkpoint, load_model
 from support.mtp_weights import add_mtp_weights
 from support.overlap import drive
@@ -111,3 +112,60 @@ def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, capl
         del norm.forward
     assert mixed.captured == {}
     assert "stay eager" in caplog.text
+
+
+def test_the_buckets_keep_their_own_tensors_and_share_the_cores_outputs(parts):
+    """What a bucket keeps between its pieces grows with its tokens; the cores' outputs are one
+    set, sized for the largest bucket: the kept bytes are the probe's bytes a token times the
+    buckets' tokens, plus the shared outputs of 64 tokens."""
+    model, _ = parts
+    with torch.inference_mode():
+        mixed = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph)
+        mixed.capture()
+    assert sorted(t for _, t in mixed.captured) == [16, 32, 48, 64]
+    assert mixed.per_token > 0 and mixed.shared_per_token > 0
+    assert [o.shape[0] for o in mixed.outputs] == [64] * len(mixed.outputs)
+    expected = mixed.per_token * (16 + 32 + 48 + 64) + mixed.shared_per_token * 64
+    assert mixed.held_bytes() == pytest.approx(expected, rel=1e-6)
+    cores = mixed.captured[PROMPT, 16].cores
+    assert all(c.out.data_ptr() == o.data_ptr() for c, o in zip(cores, mixed.outputs))  # the head of the shared one
+
+
+def test_a_memory_budget_leaves_the_larger_buckets_out_and_their_steps_eager(parts):
+    """A budget that holds the buckets up to 32 tokens (the pieces of 48 and 64 would pass it):
+    only those are captured, within it, and the steps past them run eagerly with the same tokens."""
+    model, tok = parts
+    with torch.inference_mode():
+        whole = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph)
+    budget = int(whole.per_token * (16 + 32) + whole.shared_per_token * 32) + 1
+    with torch.inference_mode():
+        mixed = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph, budget=budget)
+        mixed.capture()
+    assert sorted(t for _, t in mixed.captured) == [16, 32]
+    assert mixed.held_bytes() <= budget < whole.per_token * (16 + 32 + 48) + whole.shared_per_token * 48
+
+    eager, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
+    runs: list = []
+
+    def prepare(engine):
+        run = mixed.run
+
+        def counted(input_ids, batch):
+            runs.append(input_ids.shape[0])
+            return run(input_ids, batch)
+
+        mixed.run = counted
+        engine.runner.mixed_graphs = mixed
+
+    pieces, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=prepare)
+    assert pieces == eager and runs and max(runs) <= 32
+
+
+def test_the_plan_counts_what_the_probe_measures(parts):
+    """The launcher's plan reckons the pieces' memory from the shapes (``kept_per_token``): the
+    same bytes a token as the probe measures on the model."""
+    model, _ = parts
+    with torch.inference_mode():
+        mixed = MixedGraphs(model, torch.device("cpu"), 16, graph=RecordedGraph)
+    elt = next(model.parameters()).element_size()
+    assert kept_per_token(model.config, elt) == (mixed.per_token, mixed.shared_per_token)

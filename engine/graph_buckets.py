@@ -1,0 +1,49 @@
+"""The token-count buckets of the CUDA graphs in pieces (``cuda_graph_mixed.py``) and what they
+keep in memory, from the model's shapes alone (no torch: the launcher's plan reads it too)."""
+from __future__ import annotations
+
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # at most a third of padding above 32
+PIECES_SHARE = 0.04  # of the device memory free before the caches are sized, the most the pieces keep
+
+
+def piece_tokens(setting: int, step_tokens: int) -> int:
+    """The largest bucket worth capturing: the launch setting ``mixed_graph_tokens``, or less where
+    the engine's step budget never fills it (the smallest bucket that holds a whole step)."""
+    fits = [b for b in BUCKETS if b >= step_tokens]
+    return min(setting, fits[0] if fits else BUCKETS[-1])
+
+
+def kept_per_token(config, elt: int) -> tuple[int, int]:
+    """The bytes a bucket keeps per token (its cores' inputs: attention's query (with its output
+    gate on the hybrid models), key and value; the Gated DeltaNet's q/k/v, z, a and b; the final
+    hidden states) and the shared outputs' per token, for a model of ``config`` whose activations
+    take ``elt`` bytes: what the probe measures, from the shapes alone (the launcher's plan)."""
+    types = config.layer_types
+    n_attn = sum(t == "full_attention" for t in types)
+    n_gdn = sum(t == "linear_attention" for t in types)
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    attn_in = (heads * d * (2 if config.is_hybrid else 1) + 2 * kv * d)
+    attn_out = heads * d
+    gdn_in = gdn_out = 0
+    if n_gdn:
+        key = config.linear_num_key_heads * config.linear_key_head_dim
+        value = config.linear_num_value_heads * config.linear_value_head_dim
+        gdn_in, gdn_out = 2 * key + 2 * value + 2 * config.linear_num_value_heads, value
+    kept = n_attn * attn_in + n_gdn * gdn_in + config.hidden_size
+    return kept * elt, (n_attn * attn_out + n_gdn * gdn_out) * elt
+
+
+def buckets_within(buckets: list[int], per_token: float, shared_per_token: float, kinds: int,
+                   budget: int | None) -> list[int]:
+    """The buckets, smallest first, whose pieces fit ``budget`` bytes: each keeps ``per_token``
+    bytes a token for each of ``kinds``, and the shared outputs ``shared_per_token`` a token of the
+    largest kept (None: no limit)."""
+    if budget is None:
+        return list(buckets)
+    kept, total = [], 0.0
+    for b in sorted(buckets):
+        total += kinds * b * per_token
+        if total + b * shared_per_token > budget:
+            break
+        kept.append(b)
+    return kept
