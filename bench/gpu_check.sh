@@ -10,6 +10,9 @@
 # the 27B without its own attention choices; the 9B's prompts of 2-16 tokens beside 8 decoding
 # requests with the GDN rows in the chunked and in the recurrent form) or "serve" (bench.serve through HTTP: the 9B shape
 # at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once) or
+# "cache" (bench.serve --cache-ab, the prefix cache on and off: the 9B and 0.8B at 16 and 64
+# streams, three rounds each; the 9B's 30K-token conversation, two requests sharing a 30K-token
+# system prompt, and the document chat preset) or
 # "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
 # beside transformers') or "int4" (the 4-bit kernels' GPU tests, bench.gemv_tune --int4 at the
 # 27B's projections, and bench.decode of the 27B and the 35B-A3B with --weights int4, the 27B
@@ -22,8 +25,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | vision | int4) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, vision, int4)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | vision | int4) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, vision, int4)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -96,6 +99,17 @@ if [ "$parts" = ab ]; then
 fi
 if [ "$parts" = vision ]; then
     run vision-27b "$py" -m bench.vision --shape qwen3.5-27b --megapixels 1,4 --json "$out/vision-27b.json"
+fi
+if [ "$parts" = cache ]; then
+    ab="--cache-ab --repeat 3 --streams 16,64 --prompt-tokens 200 --output-tokens 256"
+    run cache-9b "$py" -m bench.serve --shape qwen3.5-9b $ab --json "$out/cache-9b.json"
+    run cache-0.8b "$py" -m bench.serve --shape qwen3.5-0.8b $ab --json "$out/cache-0.8b.json"
+    run cache-conversation "$py" -m bench.serve --shape qwen3.5-9b --streams 1 --turns 3 --prompt-tokens 30000 \
+        --turn-tokens 256 --output-tokens 32 --cache-ab --json "$out/cache-conversation.json" -- --max-context 36000
+    run cache-shared "$py" -m bench.serve --shape qwen3.5-9b --streams 2 --shared-tokens 30000 --prompt-tokens 100 \
+        --output-tokens 32 --cache-ab --json "$out/cache-shared.json" -- --max-context 36000
+    run cache-documents "$py" -m bench.serve --shape qwen3.5-9b --preset documents --cache-ab \
+        --json "$out/cache-documents.json" -- --max-context 36000
 fi
 if [ "$parts" = serve ]; then
     load="--prompt-tokens 200 --output-tokens 256"
