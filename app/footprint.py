@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_per_token, piece_tokens
+from ..engine.graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_bytes, kept_per_token, piece_tokens
 from .model_info import ModelShape, ParamCounts
 
 MiB = 1 << 20
@@ -155,7 +155,7 @@ def piece_bytes(shape: ModelShape, s: Settings) -> int:
         return 0
     c = shape.config
     inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
-    return int(sum(kept) * per_token + kept[-1] * shared) + kept[-1] * (8 * c.hidden_size + 3 * inter) * s.elt
+    return int(kept_bytes(kept, per_token, shared, 1)) + kept[-1] * (8 * c.hidden_size + 3 * inter) * s.elt
 
 
 def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:

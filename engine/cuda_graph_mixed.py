@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from . import launch
-from .graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, piece_tokens
+from .graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_bytes, piece_tokens
 from .memory import free_memory_bytes
 from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
 
@@ -166,13 +166,11 @@ class MixedGraphs:
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[str, int], _Bucket] = {}
         self.outputs: list[torch.Tensor] = []  # the cores' static outputs, shared by every bucket
-        self.input_ids = torch.zeros(self.buckets[0] if self.buckets else 0, dtype=torch.long, device=device)
-        self.positions = torch.zeros_like(self.input_ids)
-        if self.buckets:
-            self.buckets = self._fitted(budget)
         top = self.buckets[-1] if self.buckets else 0
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        if self.buckets:
+            self.buckets = self._fitted(budget)
 
     @torch.inference_mode()
     def _fitted(self, budget: int | None) -> list[int]:
@@ -187,10 +185,9 @@ class MixedGraphs:
         kept = buckets_within(self.buckets, per_token, shared, len(self.kinds), budget)
         if len(kept) < len(self.buckets):
             log.info("CUDA graphs in pieces up to %s tokens (%d MiB of the %d MiB they may take; %d tokens would "
-                     "take %d MiB)", kept[-1] if kept else 0,
-                     (sum(kept) * per_token * len(self.kinds) + (kept[-1] if kept else 0) * shared) / 2**20,
+                     "take %d MiB)", kept[-1] if kept else 0, kept_bytes(kept, per_token, shared, len(self.kinds)) / 2**20,
                      budget / 2**20, self.buckets[-1],
-                     (sum(self.buckets) * per_token * len(self.kinds) + self.buckets[-1] * shared) / 2**20)
+                     kept_bytes(self.buckets, per_token, shared, len(self.kinds)) / 2**20)
         if kept:
             self.outputs = [torch.zeros((kept[-1], *o.shape[1:]), dtype=o.dtype, device=o.device)
                             for o in probe.outputs]

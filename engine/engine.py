@@ -51,11 +51,11 @@ class LLMEngine:
         shape = model.config.with_mtp() if mtp else model.config
         # (MTP: no whole-step graphs, for the final hidden states the head takes; its steps take
         # the graphs in pieces, ``cuda_graph_mixed.py``)
-        graphs = config.cuda_graphs and self.device.type == "cuda" and not mtp and config.tensor_parallel == 1
+        captured = config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1
+        graphs = captured and not mtp
         # steps with prompt rows (with MTP every step) in pieces, captured before the caches are
         # sized: the KV cache is planned around the memory they keep
-        pieces = capture_pieces(model, self.device, config, every_step=mtp) \
-            if config.cuda_graphs and self.device.type == "cuda" and config.tensor_parallel == 1 else None
+        pieces = capture_pieces(model, self.device, config, every_step=mtp) if captured else None
         checkpoints = prefix_checkpoints(shape, config)
         num_pages = plan_kv_pages(shape, config, checkpoints)
         # captured decode graphs keep one page and one slot for their padding rows

@@ -33,17 +33,17 @@ def kept_per_token(config, elt: int) -> tuple[int, int]:
     return kept * elt, (n_attn * attn_out + n_gdn * gdn_out) * elt
 
 
+def kept_bytes(buckets: list[int], per_token: float, shared_per_token: float, kinds: int) -> float:
+    """What ``buckets`` keep: ``per_token`` bytes a token of each for each of ``kinds``, and the
+    shared outputs ``shared_per_token`` a token of the largest."""
+    return kinds * sum(buckets) * per_token + (max(buckets) * shared_per_token if buckets else 0)
+
+
 def buckets_within(buckets: list[int], per_token: float, shared_per_token: float, kinds: int,
                    budget: int | None) -> list[int]:
-    """The buckets, smallest first, whose pieces fit ``budget`` bytes: each keeps ``per_token``
-    bytes a token for each of ``kinds``, and the shared outputs ``shared_per_token`` a token of the
-    largest kept (None: no limit)."""
-    if budget is None:
-        return list(buckets)
-    kept, total = [], 0.0
-    for b in sorted(buckets):
-        total += kinds * b * per_token
-        if total + b * shared_per_token > budget:
-            break
-        kept.append(b)
+    """The buckets, smallest first, whose pieces fit ``budget`` bytes (``kept_bytes``; None: no
+    limit)."""
+    kept = sorted(buckets)
+    while budget is not None and kept and kept_bytes(kept, per_token, shared_per_token, kinds) > budget:
+        kept.pop()
     return kept
