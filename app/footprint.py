@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_bytes, kept_per_token, piece_tokens
+from ..engine.graph_buckets import BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, kept_per_token, piece_tokens
 from .model_info import ModelShape, ParamCounts
 
 MiB = 1 << 20
@@ -113,8 +113,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
     """Bytes by part; their sum is what the server takes on the device."""
     c = shape.config
     mtp = s.drafts > 0 and shape.mtp_layers > 0
-    inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
-    workspace = s.prefill_chunk * (8 * c.hidden_size + 3 * inter) * s.elt  # engine/memory.py
+    workspace = s.prefill_chunk * activation_per_token(c, s.elt)  # engine/memory.py
     workspace += s.lanes * (s.drafts + 1) * c.vocab_size * 4  # fp32 logits of every decode row
     if not s.cuda and shape.n_attention:  # the CPU's attention gathers a sequence's K/V, expanded to fp32 per head
         gathered = 2 * c.num_key_value_heads * c.head_dim * s.elt
@@ -153,9 +152,7 @@ def piece_bytes(shape: ModelShape, s: Settings) -> int:
     kept = buckets_within([b for b in BUCKETS if b <= top], per_token, shared, 1, budget)
     if not kept:
         return 0
-    c = shape.config
-    inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1))
-    return int(kept_bytes(kept, per_token, shared, 1)) + kept[-1] * (8 * c.hidden_size + 3 * inter) * s.elt
+    return int(kept_bytes(kept, per_token, shared, 1)) + kept[-1] * activation_per_token(shape.config, s.elt)
 
 
 def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:

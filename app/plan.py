@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..engine.graph_buckets import activation_per_token
 from .footprint import (WEIGHT_BITS, GiB, MiB, Settings, default_checkpoints, footprint, human, margin_bytes,
                         model_weight_bytes, weight_bytes)
 from .model_info import ModelShape
@@ -173,8 +174,7 @@ def _head_bits(shape: ModelShape, device: Device, weights: str) -> float | None:
 def _auto_chunk(shape: ModelShape, device: Device, base: Settings) -> int:
     """The largest chunk whose activations take at most 5% of what is left after the weights."""
     room = device.free - margin_bytes(device.total, device.cuda) - footprint(shape, _compact(shape, device, base))["weights"]
-    per_token = (8 * shape.config.hidden_size + 3 * max(shape.config.intermediate_size,
-                 shape.config.moe_intermediate_size * max(shape.config.num_experts_per_tok, 1))) * base.elt
+    per_token = activation_per_token(shape.config, base.elt)
     for chunk in PREFILL_LADDER:
         if chunk * per_token <= 0.05 * room:
             return chunk

@@ -13,6 +13,13 @@ def piece_tokens(setting: int, step_tokens: int) -> int:
     return min(setting, fits[0] if fits else BUCKETS[-1])
 
 
+def activation_per_token(config, elt: int) -> int:
+    """A step's activations per token, generously: a few hidden-sized buffers and the MLP's
+    (the widest of the dense MLP and the routed experts a token reaches), ``elt`` bytes each."""
+    inter = max(config.intermediate_size, config.moe_intermediate_size * max(config.num_experts_per_tok, 1))
+    return (8 * config.hidden_size + 3 * inter) * elt
+
+
 def kept_per_token(config, elt: int) -> tuple[int, int]:
     """The bytes a bucket keeps per token (its cores' inputs: attention's query (with its output
     gate on the hybrid models), key and value; the Gated DeltaNet's q/k/v, z, a and b; the final

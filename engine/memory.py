@@ -10,6 +10,7 @@ from .cache.manager import kv_bytes_per_token, state_shapes
 from .cache.state_pool import StateSlotPool
 from .config import ModelConfig
 from .engine_config import EngineConfig
+from .graph_buckets import activation_per_token
 
 DEVICE_FRACTION = 0.90  # of free GPU memory after weights, for state slots + KV + workspace
 HOST_FRACTION = 0.25  # of available RAM when running on the CPU
@@ -52,11 +53,10 @@ def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
     (Steps with prompt rows captured in pieces keep their tensors in the graphs' pool: they are
     captured before the caches are sized, so the free memory those are planned from counts them.)"""
     elt = torch.empty((), dtype=config.dtype).element_size()
-    inter = max(model.intermediate_size, model.moe_intermediate_size * max(model.num_experts_per_tok, 1))
     tokens = max(config.prefill_chunk, config.step_tokens) + config.max_concurrency
     drafts = config.draft_tokens if config.spec != "off" else 0
     verify = config.max_concurrency * (1 + drafts) * _slot_bytes(model, config) if drafts else 0
-    return tokens * (8 * model.hidden_size + 3 * inter) * elt + \
+    return tokens * activation_per_token(model, elt) + \
         config.max_concurrency * (1 + drafts) * model.vocab_size * 4 + verify
 
 
