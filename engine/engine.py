@@ -141,9 +141,12 @@ class LLMEngine:
         return counters
 
     def idle_work(self) -> bool:
-        """Work that waits for the engine to have had none for ``IDLE_PIN_AFTER_S`` (the loop calls
-        it before it waits for a request, again while it returns True): a slab of host memory pinned
-        ahead of need, where copies to host have taken some of what was kept ahead."""
+        """Work for the time without steps (the loop calls it before it waits for a request,
+        again while it returns True): the checkpoints the last finished requests left beyond the
+        table's size evicted, and once the engine has had no work for ``IDLE_PIN_AFTER_S``, a slab
+        of host memory pinned ahead of need, where copies to host have taken some of what was
+        kept ahead."""
+        self.caches.trim()  # what the last step's finished requests left beyond the table's size
         if time.monotonic() - self.last_step < self.IDLE_PIN_AFTER_S:
             return False
         return self.caches.grow_host()
@@ -267,6 +270,9 @@ class LLMEngine:
             launched = self.runner.launch(plan)
             self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)
+        # checkpoints that finished requests left beyond the table's size go now, while the
+        # device runs the step: their copies to host cost no step any wait
+        self.caches.trim()
         tokens = launched.read()
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)
@@ -506,7 +512,7 @@ class LLMEngine:
             if req.checkpoint_answer and req.output_ids and req.num_computed > len(req.prompt_ids):
                 # where the answer ends (all but its last token computed, or all when a step
                 # launched ahead ran it): queued behind every step that wrote this sequence
-                self.caches.checkpoint(req.cache, req.key_ids[: req.num_computed])
+                self.caches.checkpoint(req.cache, req.key_ids[: req.num_computed], last=True)
             self.caches.drop(req.anchor)  # its prompt is done: nobody resumes from part of it
             req.anchor = None
         self.scheduler.remove(req)

@@ -61,9 +61,10 @@ class CacheManager:
 
     @property
     def free_slots(self) -> int:
-        """Free slots, and those of checkpoints' copies to host still in flight (waited for when taken)."""
+        """Free slots, those of checkpoints' copies to host still in flight (waited for when
+        taken) and those of the checkpoints beyond their number (evicted when taken)."""
         self._settle()
-        moving = self.prefix.moving_slots if self.prefix is not None else 0
+        moving = self.prefix.moving_slots + self.prefix.over if self.prefix is not None else 0
         return self.states.num_free + moving if self.states else 1 << 30
 
     @property
@@ -195,10 +196,21 @@ class CacheManager:
             return self.prefix.want(pages=pages)
         return self.kv.num_free >= pages
 
-    def checkpoint(self, cache: PagedSequenceCache, tokens: list[int]) -> Checkpoint | None:
+    def checkpoint(self, cache: PagedSequenceCache, tokens: list[int], last: bool = False) -> Checkpoint | None:
         """Keep the sequence's state after ``tokens`` (all computed) as a prefix checkpoint; the
-        checkpoint, or None where none was kept (held already, or no room)."""
-        return None if self.prefix is None else self.prefix.add(tokens, cache.pages, cache.slot)
+        checkpoint, or None where none was kept (held already, or no room). ``last``: the
+        sequence ends here (its request has finished), so its state slot becomes the
+        checkpoint's, uncopied (``PrefixCache.add``'s ``adopt``; ``trim`` evicts for it later)."""
+        if self.prefix is None:
+            return None
+        entry = self.prefix.add(tokens, cache.pages, cache.slot, adopt=last)
+        if entry is not None and last:
+            cache.slot = None
+        return entry
+
+    def trim(self) -> int:
+        """Evict the device checkpoints beyond their number (``PrefixCache.trim``); how many."""
+        return 0 if self.prefix is None else self.prefix.trim()
 
     def drop(self, entry: Checkpoint | None) -> None:
         """Give up a checkpoint that is no longer wanted (a progress anchor superseded)."""

@@ -10,7 +10,10 @@ its last ``KEY_TAIL`` ids, so a lookup hashes a few ids per length kept, not the
 ids themselves (compared in C) confirm a candidate.
 
 Two tiers, a checkpoint in exactly one of them. At most ``max_entries`` are on the device; the
-least recently used one goes when its slot or pages are wanted, or for a newer one. It moves to
+least recently used one goes when its slot or pages are wanted, or for a newer one. Where a
+request's answer ends (it has finished) its state slot becomes the checkpoint's as it is, and the
+table may hold more until the engine trims it (``trim``), which it does while the device runs the
+next step or while it has none: no step waits for those evictions. It moves to
 host memory when the host budget has room for it (``host_room``: the budget shared with paused
 requests' snapshots, which come first; ``host.py``), else it is dropped: the KV rows of its pages
 and its state slot are copied into an extent of host memory, and its pages and slot go back to the
@@ -152,10 +155,14 @@ class PrefixCache:
         return None
 
     # ------------------------------------------------------------------ taking and dropping
-    def add(self, tokens: list[int], pages: list[int], slot: int | None) -> Checkpoint | None:
+    def add(self, tokens: list[int], pages: list[int], slot: int | None, adopt: bool = False) -> Checkpoint | None:
         """Keep a checkpoint of ``tokens`` whose state is in ``slot`` (a request's) and whose KV
         is in ``pages``: the pages are shared, the state copied into a slot of the checkpoint's
-        own. None (nothing kept) when it is on the device already or no slot can be had."""
+        own, the least recently used checkpoint evicted first where the table is full. With
+        ``adopt`` (a request that has finished: its slot, if it has one, is given up to the
+        checkpoint) the slot itself is kept, nothing copied and nothing evicted now: the table may hold more than
+        ``max_entries`` until ``trim``. None (nothing kept, nothing adopted) when it is on the
+        device already or no slot can be had."""
         if not tokens or self.max_entries < 1:
             return None
         key = key_of(tokens, len(tokens))
@@ -164,19 +171,32 @@ class PrefixCache:
             if existing.tokens == tokens and existing.host is None:
                 return None
             self._drop(existing)  # other ids under the same hash, or its host copy: the newer one stays
-        if len(self._entries) >= self.max_entries:
+        own = slot if adopt else None
+        if not adopt and len(self._entries) >= self.max_entries:
             self.evict_one()
-        own = None
-        if self.states is not None:
+        if self.states is not None and not adopt:
             if not self.want(slots=1):
                 return None
-            own = self.states.acquire()
+            own = self.states.acquire(clear=False)
             self.states.copy(slot, own)
         held = [] if self.kv is None else self.kv.share(pages[: -(-len(tokens) // self.page_size)])
         entry = Checkpoint(list(tokens), held, own, key)
         self._entries[key] = entry
         self._lengths[entry.length] = self._lengths.get(entry.length, 0) + 1
         return entry
+
+    @property
+    def over(self) -> int:
+        """Device checkpoints beyond ``max_entries`` (adopted since the last ``trim``)."""
+        return max(len(self._entries) - self.max_entries, 0)
+
+    def trim(self) -> int:
+        """Evict least recently used device checkpoints down to ``max_entries`` (the engine calls
+        this while the device runs a step, or while it has none); how many went."""
+        n = 0
+        while len(self._entries) > self.max_entries and self.evict_one():
+            n += 1
+        return n
 
     def evict_one(self) -> bool:
         """Move the least recently used device checkpoint to host memory, or drop it where the
@@ -221,7 +241,7 @@ class PrefixCache:
         finally:
             self._keep = None
         entry.pages = self.kv.allocate(host.num_pages) if self.kv is not None else []
-        entry.slot = self.states.acquire() if self.states is not None else None
+        entry.slot = self.states.acquire(clear=False) if self.states is not None else None
         self.host.to_device(host, entry.pages, entry.slot)
         del self._host[entry.key]
         self._count_host(host, -1)

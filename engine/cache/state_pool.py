@@ -49,11 +49,13 @@ class StateSlotPool:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def acquire(self) -> int:
+    def acquire(self, clear: bool = True) -> int:
+        """A free slot, zeroed (``clear``; without it the caller overwrites it whole)."""
         if not self._free:
             raise OutOfSlotsError("no free state slot")
         slot = self._free.pop()
-        self.clear(slot)
+        if clear:
+            self.clear(slot)
         return slot
 
     def clear(self, slot: int) -> None:

@@ -100,6 +100,47 @@ def test_checkpoints_give_way_when_room_is_needed(parts):
     assert eng.caches.idle()
 
 
+def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts):
+    """Where a request's answer ends its state slot becomes the checkpoint's as it is (nothing
+    copied, no slot taken); the table, one over its size then, is back within it once the next
+    step has been launched, and the next turn goes on from the answer with the same tokens."""
+    eng, fresh = engine(parts, prefix_checkpoints=2), engine(parts, prefix_cache=False)
+    prefix, states = eng.caches.prefix, eng.caches.states
+    ids = [5 + i % 80 for i in range(37)]
+    slots = []
+    for name in ("a", "b"):
+        r = req(name, [7 + (3 * i + len(name)) % 60 for i in range(30)])
+        eng.add_request(r)
+        while eng.has_work:
+            if r.cache is not None:
+                slots.append(r.cache.slot)
+            eng.step()
+    first = req("first", ids)
+    eng.add_request(first)
+    got = []
+    while eng.has_work:
+        if first.cache is not None:
+            slots.append(first.cache.slot)
+        got += [t for o in eng.step() for t in o.token_ids or []]
+    assert len(prefix) == 3 and prefix.over == 1  # the answer's checkpoint came beyond the two
+    answer = prefix.longest(ids + got[:-1] + [1])
+    assert answer is not None and answer.length == len(ids) + len(got) - 1
+    if states is not None:
+        assert answer.slot == slots[-1]  # the request's own slot, adopted
+    turn = ids + got + [9, 10, 11]
+    again = req("again", turn)
+    eng.add_request(again)
+    outputs = eng.step()  # its first step: launched, then the table trimmed while it runs
+    assert len(prefix) <= 2
+    assert outputs[0].admitted and outputs[0].cached_tokens == answer.length
+    rest = []
+    while eng.has_work:
+        rest += [t for o in eng.step() for t in o.token_ids or []]
+    assert [t for o in outputs for t in o.token_ids or []] + rest == run(fresh, [req("again", turn)])["again"][0]
+    eng.idle_work()
+    assert eng.caches.idle()
+
+
 def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):
     """``checkpoints``: the server puts one before the generation prompt; a request resent with
     the turn after it goes on from there, and a position outside the prompt is refused."""

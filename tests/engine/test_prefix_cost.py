@@ -50,6 +50,7 @@ def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list
         steps += 1
         for o in outputs:
             out[o.request_id] += list(o.token_ids or [])
+    eng.idle_work()  # as the server's loop does between steps and requests (no step waits for it)
     return steps, spent, out
 
 

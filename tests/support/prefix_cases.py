@@ -35,7 +35,7 @@ def engine(parts, **kw) -> LLMEngine:
 
 def run(eng: LLMEngine, requests: list[Request], each_step=None) -> dict[str, tuple[list[int], int]]:
     """Each request's output ids and the cached tokens its admission reported (``each_step``
-    called after every step)."""
+    called after every step), then the engine's idle work, as the server's loop does it."""
     for r in requests:
         eng.add_request(r)
     out = {r.request_id: ([], None) for r in requests}
@@ -45,6 +45,7 @@ def run(eng: LLMEngine, requests: list[Request], each_step=None) -> dict[str, tu
             out[o.request_id] = (ids + list(o.token_ids or []), o.cached_tokens if o.admitted else cached)
         if each_step is not None:
             each_step()
+    eng.idle_work()  # as the server's loop does once the engine has no work
     return out
 
 
