@@ -83,7 +83,7 @@ class PrefixCache:
         self.host_room = host_room
         self.moving_limit = moving_slots
         self.page_size = kv.page_size if kv is not None else 1
-        self._entries: dict[int, Checkpoint] = {}  # on the device
+        self._entries: dict[int, Checkpoint] = {}  # on the device, least recently used first
         self._host: dict[int, Checkpoint] = {}  # in host memory; a key is in one table at most
         self._lengths: dict[int, int] = {}  # length -> how many checkpoints (of both tiers) have it
         # copies to host in flight, oldest first: their event, and the pages and slot they give back
@@ -151,6 +151,8 @@ class PrefixCache:
             entry = self._entries.get(key) or self._host.get(key)
             if entry is not None and entry.tokens == tokens[:n]:
                 entry.used = next(_order)
+                table = self._entries if entry.host is None else self._host
+                table[key] = table.pop(key)  # the tables run from least to most recently used
                 return entry
         return None
 
@@ -205,7 +207,7 @@ class PrefixCache:
         is done: no wait); False when there is none."""
         if not self._entries:
             return False
-        entry = min(self._entries.values(), key=lambda e: e.used)
+        entry = next(iter(self._entries.values()))  # the least recently used: the table is in that order
         self.settle()
         if entry.slot is not None and self._moving and self.moving_slots >= self.moving_limit:
             self._drop(entry)
@@ -247,6 +249,7 @@ class PrefixCache:
         self._count_host(host, -1)
         self.host.give(host)
         entry.host = None
+        entry.used = next(_order)
         self._entries[entry.key] = entry
         return True
 
