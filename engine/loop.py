@@ -47,9 +47,14 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.request_stop()
+        self._thread.join(timeout)
+
+    def request_stop(self) -> None:
+        """End the loop after its current step, without waiting for it (callable from the loop's
+        own thread: its ``flush``)."""
         self._stop.set()
         self._commands.put(("wake", None, None))
-        self._thread.join(timeout)
 
     def submit(self, request: Request, sink: Sink) -> None:
         with self._submit_lock:

@@ -289,7 +289,10 @@ def _child_main(build: Callable[..., Any], args: tuple, log_level: int, conn) ->
         snapshot = None
         if due or any(o.finished or o.admitted for o in outputs):
             snapshot, last[0] = take_snapshot(engine), now
-        send(("outputs", outputs, snapshot))
+        try:
+            send(("outputs", outputs, snapshot))
+        except OSError:  # the gateway has ended before the engine (its shutdown): no one to serve
+            loop.request_stop()
 
     failure: list[str] = []
     loop = EngineLoop(engine, on_failure=lambda exc: failure.append(str(exc) or type(exc).__name__), flush=flush)

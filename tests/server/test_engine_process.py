@@ -98,6 +98,24 @@ def test_the_engine_process_gives_the_tokens_of_the_engine_thread_and_its_figure
     assert engine_children(server.proc.pid) == []
 
 
+def test_a_server_stopped_while_it_streams_ends_without_an_engine_failure(tiny, tmp_path):
+    """SIGTERM while requests stream: the gateway goes first and the engine, whose outputs have
+    nowhere to go, stops stepping; neither the log nor the exit code calls that a failure."""
+    server = serve(tiny, tmp_path)
+    try:
+        body = {"prompt": [5, 6], "n_predict": 4000, "ignore_eos": True, "stream": True}
+        streams = [httpx.stream("POST", server.base_url + "/completion", json=body, timeout=60) for _ in range(4)]
+        for s in streams:
+            lines = s.__enter__().iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        time.sleep(0.5)
+    finally:
+        code = server.stop()
+    assert code == 0 or code == -signal.SIGTERM
+    log = server.log_path.read_text(errors="replace")
+    assert "engine step failed" not in log and "Traceback" not in log, log[-2000:]
+
+
 def test_a_dead_engine_process_is_an_engine_failure(tiny, tmp_path):
     server = serve(tiny, tmp_path)
     try:
