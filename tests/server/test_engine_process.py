@@ -98,6 +98,25 @@ def test_the_engine_process_gives_the_tokens_of_the_engine_thread_and_its_figure
     assert engine_children(server.proc.pid) == []
 
 
+def test_the_checkpoint_gauge_comes_back_within_its_number_once_the_answers_are_in(tiny, tmp_path):
+    """Two checkpoints at most: three answers in a row leave one beyond them (an answer's is
+    evicted only after the step that follows it, or while the engine is idle), and /stats shows
+    the table back within its size without any further request."""
+    server = serve(tiny, tmp_path, "--prefix-checkpoints", "2")
+    try:
+        for i in range(3):
+            completion(server.base_url, [5 + i, 6, 7, 8 + i], 8)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            cache = httpx.get(server.base_url + "/stats").json()["cache"]
+            if cache["checkpoints"] <= 2:
+                break
+            time.sleep(0.05)
+        assert cache["checkpoints"] == 2
+    finally:
+        server.stop()
+
+
 def test_a_server_stopped_while_it_streams_ends_without_an_engine_failure(tiny, tmp_path):
     """SIGTERM while requests stream: the gateway goes first and the engine, whose outputs have
     nowhere to go, stops stepping; neither the log nor the exit code calls that a failure."""
