@@ -1,7 +1,7 @@
 """What the prefix cache costs and gives, engine-direct: the same load with it on and off.
 
     python -m bench.cache_cost --shape qwen3.5-0.8b [--streams 64] [--prompt-tokens 200]
-                               [--output-tokens 256] [--modes on,host0,off]
+                               [--output-tokens 256] [--modes on,host0,off] [--max-context N]
                                [--conversation 30000] [--profile] [--trace-turn T] [--json FILE]
 
 Random bf16 weights at the real shape are made on the GPU (no checkpoint, no server), with the
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-turn", type=int, choices=(0, 1, 2), default=None,
                    help="torch.profiler over this turn of the conversation (0: the first)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="the engines' context limit (default 8192, or the conversation's; the server's is 32768), "
+                        "which sizes the KV pool with the cache on")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MODES for m in modes):
         p.error(f"--modes: each of {', '.join(MODES)}")
     cfg = shape_config(args.shape)
-    max_context = max(8192, args.conversation + 2048)
+    max_context = args.max_context or max(8192, args.conversation + 2048)
     results = {}
     for mode in modes:
         engine = build(cfg, mode, args.streams, max_context, args.device)

@@ -12,7 +12,8 @@
 # at 16 and 64 streams, the 0.8B at 1, 4, 16 and 64; 200-token prompts, 256 out, all at once) or
 # "cache" (bench.serve --cache-ab, the prefix cache on and off: the 9B and 0.8B at 16 and 64
 # streams, three rounds each; the 9B's 30K-token conversation, two requests sharing a 30K-token
-# system prompt, and the document chat preset) or
+# system prompt, and the document chat preset) or "cache16" (the 0.8B at 16 streams with the cache
+# on and off: engine-direct at 32K and 8K of context, through HTTP at 8K) or
 # "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
 # beside transformers') or "int4" (the 4-bit kernels' GPU tests, bench.gemv_tune --int4 at the
 # 27B's projections, and bench.decode of the 27B and the 35B-A3B with --weights int4, the 27B
@@ -25,8 +26,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | vision | int4) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, vision, int4)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | cache16 | vision | int4) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, cache16, vision, int4)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -110,6 +111,16 @@ if [ "$parts" = cache ]; then
         --output-tokens 32 --cache-ab --json "$out/cache-shared.json" -- --max-context 36000
     run cache-documents "$py" -m bench.serve --shape qwen3.5-9b --preset documents --cache-ab \
         --json "$out/cache-documents.json" -- --max-context 36000
+fi
+if [ "$parts" = cache16 ]; then
+    # the 0.8B's first tokens at 16 streams with the cache on: the engine alone, at the server's
+    # context (a KV pool sized to the free memory with the cache on) and at 8K; then through HTTP at 8K
+    run cost16-32k "$py" -m bench.cache_cost --shape qwen3.5-0.8b --streams 16 --modes on,off --rounds 4 \
+        --max-context 32768 --json "$out/cost16-32k.json"
+    run cost16-8k "$py" -m bench.cache_cost --shape qwen3.5-0.8b --streams 16 --modes on,off --rounds 4 \
+        --max-context 8192 --json "$out/cost16-8k.json"
+    run cache16-8k "$py" -m bench.serve --shape qwen3.5-0.8b --cache-ab --repeat 3 --streams 16 --prompt-tokens 200 \
+        --output-tokens 256 --json "$out/cache16-8k.json" -- --max-context 8192
 fi
 if [ "$parts" = serve ]; then
     load="--prompt-tokens 200 --output-tokens 256"
