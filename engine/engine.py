@@ -21,7 +21,7 @@ from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
 from .grammar import GrammarError, Grammars
-from .memory import moving_slots, plan_kv_pages, prefix_checkpoints
+from .memory import checkpoints_ahead, moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
 from .outputs import merge as merge_outputs
@@ -62,7 +62,8 @@ class LLMEngine:
         self.caches = CacheManager(shape, num_pages + graphs, config.page_size,
                                    config.max_concurrency + graphs, config.dtype, self.device,
                                    config.host_cache_mib << 20, checkpoints, moving_slots(config, checkpoints),
-                                   config.kv_storage_dtype, config.state_storage_dtype)
+                                   config.kv_storage_dtype, config.state_storage_dtype,
+                                   ahead_slots=checkpoints_ahead(config, checkpoints))
         # speculative decoding (``spec.py``): n-gram or MTP drafts verified in the step that runs them
         self.runner = ModelRunner(model, self.device, self.caches, self.token_limit, config.max_concurrency)
         self.runner.threads = StepThreads.configure(self.device, config.cpu_threads_one_token)
@@ -142,11 +143,15 @@ class LLMEngine:
 
     def idle_work(self) -> bool:
         """Work for the time without steps (the loop calls it before it waits for a request,
-        again while it returns True): the checkpoints the last finished requests left beyond the
-        table's size evicted, and once the engine has had no work for ``IDLE_PIN_AFTER_S``, a slab
-        of host memory pinned ahead of need, where copies to host have taken some of what was
-        kept ahead."""
-        self.caches.trim()  # what the last step's finished requests left beyond the table's size
+        again while it returns True, which it does when it has done some): the checkpoints the
+        last finished requests left beyond the table's size evicted; then a few more, until the
+        table has room for a burst of new prompts' checkpoints (``CacheManager.trim``); or, once
+        the engine has had no work for ``IDLE_PIN_AFTER_S``, a slab of host memory pinned ahead
+        of need, where copies to host have taken some of what was kept ahead."""
+        if self.caches.trim():  # what the last step's finished requests left beyond the table's size
+            return True
+        if self.caches.trim(ahead=True):  # room for the next burst's checkpoints, a few at a time
+            return True
         if time.monotonic() - self.last_step < self.IDLE_PIN_AFTER_S:
             return False
         return self.caches.grow_host()
@@ -271,8 +276,10 @@ class LLMEngine:
             self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)
         # checkpoints that finished requests left beyond the table's size go now, while the
-        # device runs the step: their copies to host cost no step any wait
-        self.caches.trim()
+        # device runs the step: their copies to host cost no step any wait (a device that runs
+        # steps as they are launched, a CPU, leaves them to be taken when wanted or when idle)
+        if self.overlap:
+            self.caches.trim()
         tokens = launched.read()
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)

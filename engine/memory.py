@@ -75,6 +75,13 @@ def moving_slots(config: EngineConfig, checkpoints: int) -> int:
     return min(4, max(1, checkpoints // 4))
 
 
+def checkpoints_ahead(config: EngineConfig, checkpoints: int) -> int:
+    """Places in the prefix checkpoint table kept free while the engine is idle: one per
+    concurrent request (a burst of new prompts keeps one checkpoint each), at most a quarter of
+    the table."""
+    return min(config.max_concurrency, checkpoints // 4)
+
+
 def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:
     """Tokens of KV that free memory holds beside the state slots (sequences', checkpoints' and
     their copies' in flight) and the write slots of 4-bit keys, up to what the running requests and the prefix checkpoints can use:

@@ -23,14 +23,16 @@ class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, host_cache_bytes: int = 0,
                  checkpoints: int = 0, moving_slots: int = 0, kv_dtype: torch.dtype | None = None,
-                 state_dtype: torch.dtype = torch.float32, write_slots: int | None = None) -> None:
+                 state_dtype: torch.dtype = torch.float32, write_slots: int | None = None,
+                 ahead_slots: int = 0) -> None:
         """``num_slots`` state slots for sequences, ``checkpoints`` more for prefix checkpoints
         (at most that many are kept; ``prefix`` is None without any) and ``moving_slots`` more for
         checkpoints' copies to host in flight. KV pages hold ``kv_dtype`` (``dtype`` when None;
         fp8 / int8 with per-row scales, 4-bit with per-group ones, ``kv_quant.py``); the conv states
         ``dtype``, the recurrent states ``state_dtype``. 4-bit pools keep the exact keys of the
         page each sequence is filling in ``write_slots`` write slots of ``dtype`` (``num_slots``
-        when None; a sequence opened past them writes from the rounded rows)."""
+        when None; a sequence opened past them writes from the rounded rows). ``ahead_slots``:
+        places in the checkpoint table that the engine's idle work keeps free (``trim``)."""
         types = config.layer_types
         self.attn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "full_attention")}
         self.gdn_ordinal = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
@@ -46,6 +48,7 @@ class CacheManager:
         self.prefix = PrefixCache(self.kv, self.states, checkpoints, self.host,
                                   lambda: self.host_cache_bytes - self.host_bytes_used,
                                   moving_slots) if checkpoints else None
+        self.ahead_slots = ahead_slots
         self.padding_page: int | None = None  # held for padded rows of captured decode graphs
         self.padding_slot: int | None = None
 
@@ -208,9 +211,20 @@ class CacheManager:
             cache.slot = None
         return entry
 
-    def trim(self) -> int:
-        """Evict the device checkpoints beyond their number (``PrefixCache.trim``); how many."""
-        return 0 if self.prefix is None else self.prefix.trim()
+    # evictions ahead of need per call of ``trim(ahead=True)``: the engine's idle work comes in
+    # short turns, so a request that arrives meanwhile waits for a few copies at most
+    AHEAD_EVICTIONS = 4
+
+    def trim(self, ahead: bool = False) -> int:
+        """Evict the device checkpoints beyond their number (``PrefixCache.trim``); with
+        ``ahead`` (the engine is idle) a few more, until ``ahead_slots`` of the table are free:
+        a burst of new prompts then keeps its checkpoints without evicting any in its steps.
+        How many went."""
+        if self.prefix is None:
+            return 0
+        if not ahead:
+            return self.prefix.trim()
+        return self.prefix.trim(self.ahead_slots, self.AHEAD_EVICTIONS, wait=True)
 
     def drop(self, entry: Checkpoint | None) -> None:
         """Give up a checkpoint that is no longer wanted (a progress anchor superseded)."""

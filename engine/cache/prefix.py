@@ -13,7 +13,8 @@ Two tiers, a checkpoint in exactly one of them. At most ``max_entries`` are on t
 least recently used one goes when its slot or pages are wanted, or for a newer one. Where a
 request's answer ends (it has finished) its state slot becomes the checkpoint's as it is, and the
 table may hold more until the engine trims it (``trim``), which it does while the device runs the
-next step or while it has none: no step waits for those evictions. It moves to
+next step or while it has none: no step waits for those evictions. While idle it trims a few
+places further (``CacheManager.trim``), so that the next burst of prompts finds room. It moves to
 host memory when the host budget has room for it (``host_room``: the budget shared with paused
 requests' snapshots, which come first; ``host.py``), else it is dropped: the KV rows of its pages
 and its state slot are copied into an extent of host memory, and its pages and slot go back to the
@@ -192,11 +193,17 @@ class PrefixCache:
         """Device checkpoints beyond ``max_entries`` (adopted since the last ``trim``)."""
         return max(len(self._entries) - self.max_entries, 0)
 
-    def trim(self) -> int:
-        """Evict least recently used device checkpoints down to ``max_entries`` (the engine calls
-        this while the device runs a step, or while it has none); how many went."""
+    def trim(self, below: int = 0, most: int | None = None, wait: bool = False) -> int:
+        """Evict least recently used device checkpoints until at most ``max_entries - below``
+        are left, at most ``most`` of them (the engine calls this while the device runs a step,
+        or while it has none); with ``wait`` the host waits for the copies to host in flight
+        first, so that none is dropped for want of a slot to move with. How many went."""
         n = 0
-        while len(self._entries) > self.max_entries and self.evict_one():
+        while len(self._entries) > max(self.max_entries - below, 0) and (most is None or n < most):
+            if wait:
+                self.settle(wait=True)
+            if not self.evict_one():
+                break
             n += 1
         return n
 

@@ -103,8 +103,9 @@ def test_checkpoints_give_way_when_room_is_needed(parts):
 def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts):
     """Where a request's answer ends its state slot becomes the checkpoint's as it is (nothing
     copied, no slot taken); the table, one over its size then, is back within it once the next
-    step has been launched, and the next turn goes on from the answer with the same tokens."""
-    eng, fresh = engine(parts, prefix_checkpoints=2), engine(parts, prefix_cache=False)
+    step has been launched (an engine that launches ahead of the device, as on a GPU), and the
+    next turn goes on from the answer with the same tokens."""
+    eng, fresh = engine(parts, prefix_checkpoints=2, overlap=True), engine(parts, prefix_cache=False)
     prefix, states = eng.caches.prefix, eng.caches.states
     ids = [5 + i % 80 for i in range(37)]
     slots = []
@@ -139,6 +140,30 @@ def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts)
     assert [t for o in outputs for t in o.token_ids or []] + rest == run(fresh, [req("again", turn)])["again"][0]
     eng.idle_work()
     assert eng.caches.idle()
+
+
+def test_an_idle_engine_keeps_room_for_the_next_burst_of_prompts(parts):
+    """Eight checkpoints for two concurrent requests: once idle the engine keeps two places free
+    (one per request) by moving the least recently used to host memory, so the next two prompts
+    keep theirs without any checkpoint evicted in their steps; idle again, the table is back."""
+    eng = engine(parts, prefix_checkpoints=8, max_concurrency=2)
+    prefix = eng.caches.prefix
+    for i in range(4):
+        run(eng, [req(f"old{i}", [3 + (5 * i + j) % 70 for j in range(20 + i)], 4)])
+    assert len(prefix) == 6 and prefix.num_host == 2
+    kept = {id(e) for e in prefix.entries}
+    new = [req(f"new{i}", [4 + (7 * i + j) % 60 for j in range(25 + i)], 4) for i in range(2)]
+    for r in new:
+        eng.add_request(r)
+    while eng.has_work:
+        eng.step()
+    assert kept <= {id(e) for e in prefix.entries} and prefix.num_host == 2  # none evicted in the steps
+    assert len(prefix) == 10  # the two prompts' and the two answers' (two beyond the table's size)
+    while eng.idle_work():
+        pass
+    assert len(prefix) == 6 and prefix.num_host == 6 and eng.caches.idle()
+    again = run(eng, [req("again", new[0].prompt_ids + [1, 2], 4)])["again"]
+    assert again[1] == len(new[0].prompt_ids)  # the burst's checkpoints are there to go on from
 
 
 def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):

@@ -45,7 +45,8 @@ def run(eng: LLMEngine, requests: list[Request], each_step=None) -> dict[str, tu
             out[o.request_id] = (ids + list(o.token_ids or []), o.cached_tokens if o.admitted else cached)
         if each_step is not None:
             each_step()
-    eng.idle_work()  # as the server's loop does once the engine has no work
+    while eng.idle_work():  # as the server's loop does once the engine has no work
+        pass
     return out
 
 
