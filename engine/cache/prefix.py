@@ -193,34 +193,36 @@ class PrefixCache:
         """Device checkpoints beyond ``max_entries`` (adopted since the last ``trim``)."""
         return max(len(self._entries) - self.max_entries, 0)
 
-    def trim(self, below: int = 0, most: int | None = None, wait: bool = False) -> int:
+    def trim(self, below: int = 0, most: int | None = None, keep: bool = False) -> int:
         """Evict least recently used device checkpoints until at most ``max_entries - below``
         are left, at most ``most`` of them (the engine calls this while the device runs a step,
-        or while it has none); with ``wait`` the host waits for the copies to host in flight
-        first, so that none is dropped for want of a slot to move with. How many went."""
+        or while it has none); with ``keep`` only while each can move to host memory at once
+        (none dropped, the host never waiting for a copy). How many went."""
         n = 0
         while len(self._entries) > max(self.max_entries - below, 0) and (most is None or n < most):
-            if wait:
-                self.settle(wait=True)
-            if not self.evict_one():
+            if not self.evict_one(keep):
                 break
             n += 1
         return n
 
-    def evict_one(self) -> bool:
+    def evict_one(self, keep: bool = False) -> bool:
         """Move the least recently used device checkpoint to host memory, or drop it where the
         host budget has no room for it or as many copies to host as the slots kept for them are
         in flight already (it is copied from its own pages and slot, which come back when the copy
-        is done: no wait); False when there is none."""
+        is done: no wait); False when there is none, or (``keep``) when it would be dropped."""
         if not self._entries:
             return False
         entry = next(iter(self._entries.values()))  # the least recently used: the table is in that order
         self.settle()
         if entry.slot is not None and self._moving and self.moving_slots >= self.moving_limit:
+            if keep:
+                return False
             self._drop(entry)
             return True
         room = self._host_room_for(len(entry.pages), entry.used)
         if room is None:
+            if keep:
+                return False
             self._drop(entry)
             return True
         del self._entries[entry.key]
