@@ -67,8 +67,8 @@ class CacheManager:
         """Free slots, those of checkpoints' copies to host still in flight (waited for when
         taken) and those of the checkpoints beyond their number (evicted when taken)."""
         self._settle()
-        moving = self.prefix.moving_slots + self.prefix.over if self.prefix is not None else 0
-        return self.states.num_free + moving if self.states else 1 << 30
+        spare = self.prefix.moving_slots + self.prefix.over if self.prefix is not None else 0
+        return self.states.num_free + spare if self.states else 1 << 30
 
     @property
     def host_checkpoint_bytes(self) -> int:

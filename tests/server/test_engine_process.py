@@ -4,6 +4,7 @@ engine failure (/health 503, exit code 2); an engine that cannot be built stops 
 start with the reason."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,15 +122,16 @@ def test_a_server_stopped_while_it_streams_ends_without_an_engine_failure(tiny, 
     """SIGTERM while requests stream: the gateway goes first and the engine, whose outputs have
     nowhere to go, stops stepping; neither the log nor the exit code calls that a failure."""
     server = serve(tiny, tmp_path)
-    try:
-        body = {"prompt": [5, 6], "n_predict": 4000, "ignore_eos": True, "stream": True}
-        streams = [httpx.stream("POST", server.base_url + "/completion", json=body, timeout=60) for _ in range(4)]
-        for s in streams:
-            lines = s.__enter__().iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-        time.sleep(0.5)
-    finally:
-        code = server.stop()
+    with contextlib.ExitStack() as streams:
+        try:
+            body = {"prompt": [5, 6], "n_predict": 4000, "ignore_eos": True, "stream": True}
+            for _ in range(4):
+                r = streams.enter_context(httpx.stream("POST", server.base_url + "/completion", json=body,
+                                                       timeout=60))
+                assert next(line for line in r.iter_lines() if line.startswith("data: "))
+            time.sleep(0.5)
+        finally:
+            code = server.stop()
     assert code == 0 or code == -signal.SIGTERM
     log = server.log_path.read_text(errors="replace")
     assert "engine step failed" not in log and "Traceback" not in log, log[-2000:]
