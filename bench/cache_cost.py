@@ -80,8 +80,11 @@ def run_to_end(engine, reqs, profile: cProfile.Profile | None = None) -> dict:
     wall = time.perf_counter() - t0
     ttft = sorted(first.values())
     tokens = sum(len(r.output_ids) for r in reqs)
-    return {"steps": steps, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": ttft[len(ttft) // 2],
-            "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
+    res = {"steps": steps, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": ttft[len(ttft) // 2],
+           "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
+    if torch.cuda.is_available():  # the caching allocator's retries (a full device frees and retries, synchronized)
+        res["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    return res
 
 
 def conversation(engine, cfg, length: int, out: int = 32, turn: int = 256, trace: int | None = None,
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     s = io.StringIO()
                     pstats.Stats(prof, stream=s).sort_stats(order).print_stats(args.top)
                     print(f"## {mode}: host time of the streams run (cProfile, {order})\n{s.getvalue()}", flush=True)
-        res = {"streams": rounds[-1]}
+        res = {"streams": rounds[-1], "rounds_tok_s": [round(r["tok_s"]) for r in rounds]}
         if args.conversation:
             res["conversation_ttft_s"] = conversation(engine, cfg, args.conversation, trace=args.trace_turn,
                                                    top=args.top)
