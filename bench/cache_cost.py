@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             reqs = requests(args.streams, args.prompt_tokens, args.output_tokens, cfg.vocab_size, f"{mode}-{i}-",
                             max_context)
             rounds.append(run_to_end(engine, reqs, prof))
-            while engine.caches.grow_host():  # what the server's loop pins once idle for a while
+            # what the server's loop does between bursts: the idle work (checkpoints evicted ahead),
+            # then the host memory it pins once idle for a while
+            while engine.idle_work() or engine.caches.grow_host():
                 pass
             if prof is not None:
                 for order in ("cumulative", "tottime"):

@@ -74,6 +74,15 @@ class _Stage:
         self.keys[start:] = [None] * (self.n - start)
         self.rows = start
 
+    def _write_table(self, i: int, start: int, cache) -> None:
+        """Block-table row ``i`` from entry ``start`` on: the cache's pages from there, then padding
+        where the row is written whole."""
+        pages = cache.pages
+        self.tables[i, start:len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
+        if start == 0:
+            self.tables[i, len(pages):] = self.pad[0]
+        self.keys[i] = (cache, len(pages))
+
     def fill(self, reqs: list[Request], page_size: int) -> None:
         n = len(reqs)
         self.clear(n)
@@ -86,11 +95,11 @@ class _Stage:
             slots.append(cache.slot if cache.slot is not None else 0)
             kv_slots.append(cache.kv_slot if cache.kv_slot is not None else self.pad[3])
             lens.append(p + 1)
-            key = self.keys[i]
-            if key is None or key[0] is not cache or key[1] != len(cache.pages):
-                row = cache.pages + [self.pad[0]] * (self.max_pages - len(cache.pages))
-                self.tables[i] = torch.tensor(row, dtype=torch.int32)
-                self.keys[i] = (cache, len(cache.pages))
+            key, held = self.keys[i], len(cache.pages)
+            if key is None or key[0] is not cache or key[1] > held:  # another sequence (or fewer pages)
+                self._write_table(i, 0, cache)
+            elif key[1] < held:  # the same sequence grew: only its new pages (a row is max_context long)
+                self._write_table(i, key[1], cache)
         self.wide[:, :n] = torch.tensor([ids, pos, writes, slots, kv_slots], dtype=torch.long)
         self.narrow[:n] = torch.tensor(lens, dtype=torch.int32)
         self.rows = max(self.rows, n)

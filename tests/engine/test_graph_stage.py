@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
-
 from ninfer.engine.cuda_graphs import _Stage
 
 PAGE = 4
@@ -46,20 +44,26 @@ def test_table_rows_are_rewritten_only_when_pages_change(monkeypatch):
     a = request(5, [2, 3], 0)
     stage.fill([a], PAGE)
     writes = []
-    real = torch.tensor
+    real = stage._write_table
 
-    def counting(data, *args, **kw):
-        if isinstance(data, list) and len(data) == 4 and kw.get("dtype") is torch.int32:
-            writes.append(data)
-        return real(data, *args, **kw)
+    def counting(i, start, cache):
+        writes.append(cache.pages[start:])
+        real(i, start, cache)
 
-    monkeypatch.setattr(torch, "tensor", counting)
+    monkeypatch.setattr(stage, "_write_table", counting)
     a.num_computed, a.num_tokens = 6, 7  # same pages
     stage.fill([a], PAGE)
     assert writes == []
     b = request(1, [5], 1)  # a different sequence in row 0, same number of pages as nothing
     stage.fill([b], PAGE)
-    assert writes == [[5, 9, 9, 9]] and rows(stage, 1)[0][2] == [5, 9, 9, 9]
+    assert writes == [[5]] and rows(stage, 1)[0][2] == [5, 9, 9, 9]
+    b.num_computed, b.num_tokens = 4, 5
+    b.cache.pages = [5, 8]  # b takes a page: only that page is written, the rest of the row stays
+    stage.fill([b], PAGE)
+    assert writes == [[5], [8]] and rows(stage, 1)[0][2] == [5, 8, 9, 9]
+    c = request(1, [1], 1)  # a shorter sequence in the same row: the longer one's pages are padded over
+    stage.fill([c], PAGE)
+    assert rows(stage, 1)[0][2] == [1, 9, 9, 9]
 
 
 def test_a_token_not_yet_read_is_left_for_the_device():
