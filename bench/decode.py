@@ -167,7 +167,8 @@ def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
 
 
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
-            prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None, verify: int = 0):
+            prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None, verify: int = 0,
+            decode_gap: float | None = None):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -187,7 +188,7 @@ def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, dev
     max_ctx = max(context + out + 96, prefill_max + 16)
     ecfg = EngineConfig(max_context=max_ctx, max_concurrency=max_batch + (beside > 0), prefill_chunk=chunk,
                         kv_capacity=max_batch * (context + out + 32) + max_ctx, page_size=16,
-                        host_cache_mib=0, device=device, dtype=dtype,
+                        host_cache_mib=0, device=device, dtype=dtype, decode_gap=decode_gap,
                         **({"spec": "ngram", "draft_tokens": verify - 1} if verify > 1 else {}))
     engine = LLMEngine(model, NullTokenizer(cfg.vocab_size), ecfg)
     use_drafter(engine, None)  # plain decode steps unless a verify run draws
@@ -255,8 +256,10 @@ def decode_step_s(engine, reqs, steps: int, drafter: Drafter | None = None) -> f
 
 def _beside_tokens(steps: int, prompt_len: int, chunk: int) -> int:
     """Tokens a decoder of ``prefill_beside`` makes: warm-up and timed steps, then the steps of
-    each prompt (its chunks and its first token)."""
-    return steps + 4 + (BESIDE_REPS + 1) * (-(-prompt_len // chunk) + 2)
+    each prompt (its chunks, as small as the engine's pace may cut them, and its first token)."""
+    from ninfer.engine.engine import LLMEngine
+
+    return steps + 4 + (BESIDE_REPS + 1) * (-(-prompt_len // min(chunk, LLMEngine.PACE_FLOOR)) + 2)
 
 
 def prefill_beside(engine, cfg, prompt_len: int, beside: int, context: int, steps: int,
@@ -302,10 +305,10 @@ def _step_times(engine, steps: int) -> list[float]:
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
                device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None,
-               verify: int = 0) -> dict:
+               verify: int = 0, decode_gap: float | None = None) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
     engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills or [0]), device, prefill_chunk,
-                     beside, bits, verify)
+                     beside, bits, verify, decode_gap)
     weight_gb = None if bits is None else streamed_weight_bytes(engine.model, 1 << 20) / 1e9  # every expert
     out: dict = {"decode": {}, "prefill": {}, "weight_gb": weight_gb}
     for b in batches:
@@ -512,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time steps whose rows check K - 1 drafts (rows of K tokens) at each batch size")
+    p.add_argument("--decode-gap", type=float, default=None, metavar="X",
+                   help="the engine's decode_gap (a step with prompt rows beside decoding ones within X decode "
+                        "steps' time; 0: the token budget alone; default: the engine's)")
     p.add_argument("--json", default=None)
     p.add_argument("--gemv", choices=["auto", "off"], default="auto",
                    help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")
@@ -532,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"ninfer": bench_ours(name, batches, args.context, prefills, args.steps,
                                                  prefill_chunk=args.prefill_chunk, beside=args.beside,
                                                  bits={"int4": 4, "int8": 8}.get(args.weights),
-                                                 verify=args.verify)}
+                                                 verify=args.verify, decode_gap=args.decode_gap)}
         print(table({name: results[name]}, ceilings), flush=True)  # ours first, in case the peer stalls
         if not args.no_hf:
             hf_batches = [int(x) for x in args.hf_batches.split(",")]

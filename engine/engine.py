@@ -25,6 +25,7 @@ from .memory import checkpoints_ahead, moving_slots, plan_kv_pages, prefix_check
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
 from .outputs import merge as merge_outputs
+from .pace import StepPace
 from .pooling import Pooled
 from .request import FinishReason, Request, Status
 from .runner import Launched, ModelRunner, StepThreads
@@ -76,7 +77,9 @@ class LLMEngine:
         if mtp:
             self.drafter = MTPDrafter(config.draft_tokens, model, self.caches, self.device, self.token_limit)
             self.runner.keep_hidden = True
-        self.scheduler = Scheduler(config, self.caches, self.drafter)
+        gap = (3.0 if self.device.type == "cuda" else 0.0) if config.decode_gap is None else config.decode_gap
+        self.pace = StepPace(gap, self.PACE_FLOOR, config.step_tokens) if gap else None
+        self.scheduler = Scheduler(config, self.caches, self.drafter, self.pace)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
@@ -88,8 +91,13 @@ class LLMEngine:
         self.grammars: Grammars | None = None  # made for the first request with a grammar
         self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar is being compiled
         self.last_step = time.monotonic()  # when the last step ended (``idle_work`` waits for quiet)
+        self._stepped: tuple[int, int] | None = None  # the step read in this call: decode rows, prompt tokens
+        self._step_end = 0.0  # perf_counter at the end of the last step (the pace's clock)
         if self.device.type == "cuda":
             self.warm_up()
+
+    PACE_FLOOR = 128  # prompt tokens a step beside decode rows carries at least (pace.py)
+    PACE_FOLLOWS_S = 0.002  # a step that starts within this of the last one's end follows it
 
     # the warm-up's rounds of prompt lengths, each added one step after the one before: prompt
     # rows alone, several at once, beside decode rows, one-token rows, token counts that are and
@@ -126,6 +134,8 @@ class LLMEngine:
             self.caches.prefix.hits_gpu = self.caches.prefix.hits_host = 0
         self.scheduler.stats = type(self.scheduler.stats)()
         self.counters = self._new_counters()  # the warm-up is not the server's work
+        if self.pace is not None:
+            self.pace.reset()  # its steps compiled kernels
         while self.caches.grow_host():  # the host memory kept ahead of need, pinned before any request
             pass
 
@@ -249,15 +259,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         try:
             return self._step()
         finally:
+            end = time.perf_counter()
+            if self._stepped is not None and self.pace is not None:
+                # the gap the step's decoding requests saw: from the end of the step before it
+                # where this one followed at once (the host's work between them included)
+                since = self._step_end if start - self._step_end < self.PACE_FOLLOWS_S else start
+                self.pace.observe(*self._stepped, end - since)
+            self._stepped, self._step_end = None, end
             self.last_step = time.monotonic()
 
     def _step(self) -> list[RequestOutput]:
         outputs = [self._expire(r) for r in self.scheduler.expired()] + self._compiled()
         if self._ahead is not None:  # launched last step: its plan is this step's
             launched, self._ahead = self._ahead, None
+            self._stepped = (len(launched.plan), 0)
             # rows under a grammar: drawn now, the matchers having taken the last step's tokens,
             # while the device may still be running this step's forward
             self.runner.sample(launched)
@@ -272,6 +291,8 @@ class LLMEngine:
                         for r in self.scheduler.admitted]
             if not plan:
                 return outputs
+            prompt = [n for r, n in plan if r.status is Status.PREFILL]
+            self._stepped = (len(plan) - len(prompt), sum(prompt))
             launched = self.runner.launch(plan)
             self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)

@@ -1,6 +1,7 @@
 """Who runs this step: FIFO admission, then a token budget per step (``max_batched_tokens``): every
 decoding sequence's token first, then prompt chunks of as many prefilling requests as fit, oldest
-first; preemption of the youngest request when the KV pool runs out. With a drafter
+first, fewer beside decode rows where the step would keep them waiting too long (``pace.py``);
+preemption of the youngest request when the KV pool runs out. With a drafter
 (speculative decoding, ``spec.py``) a decoding request's row also carries its draft, as far as
 the budget and the pool allow.
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from .cache.manager import CacheManager
 from .engine_config import EngineConfig
+from .pace import StepPace
 from .request import Request, Status
 
 
@@ -28,10 +30,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, caches: CacheManager, drafter=None) -> None:
+    def __init__(self, config: EngineConfig, caches: CacheManager, drafter=None, pace: StepPace | None = None) -> None:
         self.config = config
         self.caches = caches
         self.drafter = drafter  # spec.Drafter when speculative decoding is on
+        self.pace = pace  # caps the prompt tokens of a step with decode rows (pace.py)
         self.undrafted = 0  # decoding rows of the last schedule() that could have carried a draft and did not
         self.waiting: list[Request] = []  # ordered by seq_no: paused requests go back in their place
         self.running: list[Request] = []  # ordered by seq_no (admission order)
@@ -80,6 +83,9 @@ class Scheduler:
                     budget -= n
         if self.drafter is not None:
             budget = self._drafts(plan, budget)
+        if plan and self.pace is not None:  # prompt tokens beside decode rows: within the gap they may wait
+            first = sum(r.status is Status.PREFILL for r in self.running) + len(self.waiting)
+            budget = min(budget, self.pace.prompt_tokens(len(plan), first))
         for req in list(self.running):  # then prompt chunks in admission order while the budget lasts
             if budget <= 0:
                 break

@@ -155,6 +155,7 @@ def engine_config(args: argparse.Namespace, max_context: int, device: str, dtype
         prefix_cache=args.prefix_cache,
         prefix_checkpoints=args.prefix_checkpoints,
         progress_anchor=args.progress_anchor,
+        decode_gap=args.decode_gap,
         device=device,
         dtype=dtype,
         weights=args.weights,
