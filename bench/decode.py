@@ -168,7 +168,7 @@ def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
 
 def _engine(cfg, max_batch: int, context: int, steps: int, prefill_max: int, device: str = "cuda",
             prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None, verify: int = 0,
-            decode_gap: float | None = None):
+            decode_gap: float = 0.0):
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.engine_config import EngineConfig
     from ninfer.engine.models.registry import build_model
@@ -305,7 +305,7 @@ def _step_times(engine, steps: int) -> list[float]:
 
 def bench_ours(name: str, batches: list[int], context: int, prefills: list[int], steps: int,
                device: str = "cuda", prefill_chunk: int | None = None, beside: int = 0, bits: int | None = None,
-               verify: int = 0, decode_gap: float | None = None) -> dict:
+               verify: int = 0, decode_gap: float = 0.0) -> dict:
     cfg = shape_config(name) if isinstance(name, str) else name
     engine = _engine(cfg, max(max(batches), beside), context, steps, max(prefills or [0]), device, prefill_chunk,
                      beside, bits, verify, decode_gap)
@@ -515,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prefill", default=None, help="prompt lengths for the peer (default: --prefill)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time steps whose rows check K - 1 drafts (rows of K tokens) at each batch size")
-    p.add_argument("--decode-gap", type=float, default=None, metavar="X",
+    p.add_argument("--decode-gap", type=float, default=0.0, metavar="X",
                    help="the engine's decode_gap (a step with prompt rows beside decoding ones within X decode "
-                        "steps' time; 0: the token budget alone; default: the engine's)")
+                        "steps' time; 0, the default: the token budget alone)")
     p.add_argument("--json", default=None)
     p.add_argument("--gemv", choices=["auto", "off"], default="auto",
                    help="off: every decode projection through cuBLAS (launch setting gemv_max_rows=0)")

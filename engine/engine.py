@@ -77,8 +77,7 @@ class LLMEngine:
         if mtp:
             self.drafter = MTPDrafter(config.draft_tokens, model, self.caches, self.device, self.token_limit)
             self.runner.keep_hidden = True
-        gap = (3.0 if self.device.type == "cuda" else 0.0) if config.decode_gap is None else config.decode_gap
-        self.pace = StepPace(gap, self.PACE_FLOOR, config.step_tokens) if gap else None
+        self.pace = StepPace(config.decode_gap, self.PACE_FLOOR, config.step_tokens) if config.decode_gap else None
         self.scheduler = Scheduler(config, self.caches, self.drafter, self.pace)
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,

@@ -56,9 +56,10 @@ class EngineConfig:
     progress_anchor: int = 16384
     # a step with prompt rows beside decoding ones takes at most this many decode steps' time
     # (``pace.py``: its prompt tokens capped from the steps' measured times, the bound widened
-    # where more requests wait for their first token than decode); None: 3 on CUDA, none on a CPU
-    # (whose step times follow the cores' other work); 0: the token budget alone
-    decode_gap: float | None = None
+    # where more requests wait for their first token than decode); 0: the token budget alone.
+    # Off by default: where a step with prompt rows has a large fixed cost (the 9B's on an H100:
+    # about 30 ms, its decode step 7.5), small chunks multiply it and a burst's first tokens wait
+    decode_gap: float = 0.0
     cuda_graphs: bool = True  # capture decode steps, and steps with prompt rows in pieces, in CUDA graphs (CUDA only)
     # launch the next decode step before reading this one's tokens (None = on CUDA, where the
     # device runs on while the host reads; on a CPU the launch is the computation itself)
@@ -118,7 +119,7 @@ class EngineConfig:
             ("pending_timeout_s", self.pending_timeout_s is None or self.pending_timeout_s > 0, "must be > 0"),
             ("prefix_checkpoints", self.prefix_checkpoints is None or 0 <= self.prefix_checkpoints <= 1024,
              "must be between 0 and 1024"),
-            ("decode_gap", self.decode_gap is None or self.decode_gap == 0 or self.decode_gap >= 1.5,
+            ("decode_gap", self.decode_gap == 0 or self.decode_gap >= 1.5,
              "must be 0 (none) or >= 1.5"),
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),

@@ -105,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "returning conversation goes on from its own); fewer where their GDN state would leave "
                         "the KV cache short of --max-context (default: 4 per concurrent request, at least 16, "
                         "their state at most a quarter of free memory)")
-    p.add_argument("--decode-gap", type=float, default=None, metavar="X",
+    p.add_argument("--decode-gap", type=float, default=0.0, metavar="X",
                    help="a step with prompt tokens beside streaming requests takes at most X times a decode "
                         "step's time (its prompt tokens capped; widened where more requests wait for their first "
-                        "token than stream); 0: the step's token budget alone (default: 3 on a GPU, 0 on a CPU)")
+                        "token than stream): smoother streams beside a long prompt, at the cost of that prompt's "
+                        "and a burst's first tokens; 0: the step's token budget alone (default)")
     p.add_argument("--progress-anchor", type=int, default=16384, metavar="N",
                    help="a long prompt keeps a checkpoint every N tokens as it is computed (the newest only), "
                         "so one cancelled part-way and sent again goes on from there (0: none; default 16384)")

@@ -111,7 +111,7 @@ def run(eng: LLMEngine, pace: StepPace | None) -> tuple[dict[str, list[int]], li
 
 def test_a_long_prompt_beside_streams_goes_in_capped_chunks_with_the_same_tokens(parts):
     eng = engine(parts)
-    assert eng.pace is None  # on a CPU the token budget alone, unless asked
+    assert eng.pace is None  # the token budget alone, unless asked
     alone, steps = run(eng, None)
     assert steps[0][1] == 124  # the first chunk: the step's budget (128) less the 4 decode rows
     paced = FixedPace(eng.config.step_tokens)
@@ -122,7 +122,7 @@ def test_a_long_prompt_beside_streams_goes_in_capped_chunks_with_the_same_tokens
     assert paced.caps and set(paced.caps) == {48}
 
 
-def test_a_gpu_engine_paces_by_default_and_a_cpu_one_when_asked(parts):
+def test_an_engine_asked_to_pace_learns_from_its_own_steps(parts):
     eng = engine(parts, decode_gap=3.0)
     assert eng.pace is not None and eng.scheduler.pace is eng.pace
     run(eng, eng.pace)
