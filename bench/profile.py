@@ -12,6 +12,7 @@ host time against its GPU time and the host's top operators.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -63,6 +64,14 @@ def mixed_step(engine, cfg, rows: int, tokens: int, top: int) -> None:
     the sum of their own times) against the GPU's (the sum of its kernels)."""
     import time
 
+    runner, ran = engine.runner, []
+    in_pieces = runner._in_pieces
+
+    def noted(step) -> bool:  # whether each step ran through the captured pieces
+        ran.append(in_pieces(step))
+        return ran[-1]
+
+    runner._in_pieces = noted
     overlap, engine.overlap = engine.overlap, False  # no decode step launched ahead: the next step takes the prompts
     engine.step()  # (the one launched ahead already, if any)
     for k in range(2):  # the first round warms the mix up (compiles, allocator)
@@ -73,19 +82,25 @@ def mixed_step(engine, cfg, rows: int, tokens: int, top: int) -> None:
         _sync()
         with profile(activities=sorted({ProfilerActivity.CPU, *_activities()}, key=str)) as prof:
             t0 = time.perf_counter()
+            ran.clear()
             engine.step()
             host_s = time.perf_counter() - t0
             _sync()
+            pieces = bool(ran and ran[-1])
         if any(r.num_computed < tokens for r in reqs):  # every prompt computed in that one step
             raise SystemExit(f"{rows} prompts of {tokens} did not fit one step: "
                              f"{[r.num_computed for r in reqs]} tokens computed")
         while any(not r.is_finished for r in reqs):
             engine.step()
     engine.overlap = overlap
+    runner._in_pieces = in_pieces
+    graphs = runner.mixed_graphs
+    buckets = sorted(t for _, t in graphs.captured) if graphs is not None else []
     events = prof.key_averages()
     cpu_us = sum(e.self_cpu_time_total for e in events)
     gpu_us = sum(_self_us(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"\n## one step of {rows} prompts of {tokens} tokens beside the decoding batch")
+    print(f"\n## one step of {rows} prompts of {tokens} tokens beside the decoding batch, "
+          f"{'in CUDA-graph pieces' if pieces else 'eager'} (pieces captured for {buckets or 'no'} tokens)")
     print(f"engine.step() {host_s * 1e3:.1f} ms on the host; operators' own CPU time {cpu_us / 1e3:.1f} ms; "
           f"GPU kernels {gpu_us / 1e3:.1f} ms; CPU / GPU {cpu_us / max(gpu_us, 1):.2f}x")
     rows_ = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
@@ -110,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a kernel launch setting first, e.g. mixed_graph_tokens=512")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's word on its graphs
     if torch.cuda.is_available():
         start_on_gpu(p, args.set)
     elif args.set:
