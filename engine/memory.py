@@ -18,8 +18,12 @@ HOST_FRACTION = 0.25  # of available RAM when running on the CPU
 
 def free_memory_bytes(device: torch.device, cap_gib: float | None = None) -> int:
     """What the caches may take of the memory left on ``device``; on a GPU under a cap
-    (``EngineConfig.gpu_memory_gib``) what the cap leaves beside this process's allocations."""
+    (``EngineConfig.gpu_memory_gib``) what the cap leaves beside this process's allocations.
+    On a GPU the memory torch's allocator caches but no tensor holds is given back first, so it
+    counts as free: a load's temporaries (the 9B's projections fused after they were made: about
+    16 GB) would otherwise be missing from the KV pool and the CUDA-graph pieces' share."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         if cap_gib is not None:
             free = min(free, int(cap_gib * (1 << 30)) - torch.cuda.memory_reserved(device))

@@ -68,3 +68,17 @@ def test_mtp_steps_in_captured_pieces_give_the_eager_tokens(tmp_path_factory, se
         return seen
 
     assert serve(64) == serve(0)
+
+
+def test_memory_the_allocator_caches_for_nobody_counts_as_free():
+    """What a load leaves cached (temporaries freed after the fused projections were made) is
+    memory the caches and the pieces may plan with."""
+    from ninfer.engine.memory import DEVICE_FRACTION, free_memory_bytes
+
+    device = torch.device("cuda")
+    before = free_memory_bytes(device)
+    temp = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # 1 GiB, then freed: cached by torch
+    del temp
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) >= 1 << 30  # cached
+    after = free_memory_bytes(device)
+    assert after >= before - DEVICE_FRACTION * (64 << 20)  # within the noise of other allocations, not 1 GiB short
