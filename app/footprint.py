@@ -141,18 +141,17 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
 def piece_bytes(shape: ModelShape, s: Settings) -> int:
     """What the pieces' buckets keep (``cuda_graph_mixed.kept_per_token``): every bucket that
     holds at most ``PIECE_TOKENS`` or the step's chunk, within ``PIECES_SHARE`` of what the weights
-    leave of ``s.device_free`` (all of them where that is not known), as the engine captures them;
-    and the largest bucket's activations while it is captured."""
+    leave of ``s.device_free`` (all of them where that is not known), as the engine captures them,
+    the largest bucket's activations while it is captured counted in."""
     per_token, shared = kept_per_token(shape.config, s.elt)
     top = piece_tokens(PIECE_TOKENS, s.prefill_chunk)
     budget = None
     if s.device_free:
         left = s.device_free - model_weight_bytes(shape, s) - CUDA_CONTEXT
         budget = int(PIECES_SHARE * max(left, 0))
+    shared += activation_per_token(shape.config, s.elt)  # the largest bucket's work while it is captured
     kept = buckets_within([b for b in BUCKETS if b <= top], per_token, shared, 1, budget)
-    if not kept:
-        return 0
-    return int(kept_bytes(kept, per_token, shared, 1)) + kept[-1] * activation_per_token(shape.config, s.elt)
+    return int(kept_bytes(kept, per_token, shared, 1)) if kept else 0
 
 
 def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:

@@ -19,16 +19,18 @@ A bucket's pieces take one launch each from the host instead of one per kernel: 
 shape a layer's projections, norms, residual adds and MLP, about a dozen launches, become one
 replay, and only the cores pay Python's cost per kernel.
 
-Memory: what one piece leaves for the core after it (the mixer's inputs, views of the
-projections' outputs) stays allocated in the graphs' pool for as long as the bucket is kept,
-so every bucket holds its own, in proportion to its tokens (``graph_buckets.kept_per_token``: at
-the 9B shape 0.77 MB a token, 5.4 GB for every bucket up to 2,048); the cores' static outputs
-are one set, sized for the largest bucket, that every bucket uses the head of. The engine
-captures the pieces before it sizes the KV cache, so the cache is planned around what they took
-(before, a cache planned to fill the memory left the larger buckets no room, and their steps ran
-eagerly), and gives them at most ``PIECES_SHARE`` of the memory free then: a probe forward of
-the smallest bucket measures the bytes a bucket keeps per token, and the buckets above what the
-share holds are not captured (their steps stay eager).
+Memory: the cores' static inputs and outputs are one set per kind of core (attention, Gated
+DeltaNet), sized for the largest bucket, that every core of every bucket uses the head of: a
+piece ends by copying its core's inputs there (storage for storage, the core seeing views with
+the originals' strides), and a core's output is read by the piece after it alone. So a bucket
+keeps only its final hidden states in the graphs' pool (``graph_buckets.kept_per_token``: at the
+9B shape 8 KB a token; the shared set 60 KB a token of the largest bucket: 176 MB for every
+bucket up to 2,048 with the set), where it kept every
+layer's core inputs before (0.77 MB a token, 5.4 GB for every bucket up to 2,048). The engine
+captures the pieces before it sizes the KV cache, so the cache is planned around what they take,
+and gives them at most ``PIECES_SHARE`` of the memory free then: a probe forward of the smallest
+bucket measures the bytes a bucket keeps per token, and the buckets above what the share holds
+are not captured (their steps stay eager).
 
 Steps that stay eager: images (embeddings placed in the run, three-axis positions), embedding
 requests (their final hidden states outlive the step), tensor parallelism, and more tokens than
@@ -46,7 +48,7 @@ from typing import Callable
 import torch
 
 from . import launch
-from .graph_buckets import BUCKETS, PIECES_SHARE, buckets_within, kept_bytes, piece_tokens
+from .graph_buckets import BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, piece_tokens
 from .memory import free_memory_bytes
 from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
 
@@ -75,28 +77,73 @@ class _Core:
 
 class _Capture:
     """Stands in for the layers' backends while a bucket's forward runs: at each token mixer's
-    step it ends the piece being captured (``cut``), records the core and returns its static
-    output; without a capture (the warm-up run) it only hands the outputs back."""
+    step it copies the mixer's inputs into the shared static ones, ends the piece being captured
+    (``cut``), records the core and returns its static output; without a capture (the warm-up
+    run) it only hands the outputs back.
 
-    def __init__(self, outputs: list[torch.Tensor], cut: Callable[[], None] | None) -> None:
-        self.outputs, self.cut, self.cores = outputs, cut, []
+    The static inputs and outputs are shared by every core of a kind (attention, Gated DeltaNet)
+    and by every bucket: a core's inputs are read by that core alone, before the next piece
+    runs, and its output by the piece after it alone, before the next core runs. The inputs are
+    copied storage for storage (one copy of the fused projection's output, not one per view),
+    and the core gets views of the copies with the strides and offsets of the originals, so its
+    kernels see the layout they would eagerly."""
 
-    def _out(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """The core's static output: the head of the shared one sized for the largest bucket (the
-        probe, which runs before they exist, makes its own)."""
-        i = len(self.cores)
-        if i == len(self.outputs):  # the probe: made here, outside any capture
-            self.outputs.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-        return self.outputs[i][: shape[0]]
+    def __init__(self, shared: dict, cut: Callable[[], None] | None) -> None:
+        # (kind of core, what) -> a shared static tensor: ("out") the output, (j) the j-th
+        # storage under the core's inputs, as bytes; sized for the largest bucket (the probe,
+        # which runs before they exist, makes its own)
+        self.shared, self.cut, self.cores = shared, cut, []
+
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The head (``shape[0]`` tokens) of the shared tensor ``key`` (of that shape per token and
+        dtype), made here by the probe."""
+        key = (*key, tuple(shape[1:]), dtype)
+        if key not in self.shared:
+            if self.cut is not None:  # inside a capture: a tensor the probe did not see
+                raise RuntimeError(f"a token mixer's static tensor {key} that the probe did not make")
+            self.shared[key] = torch.zeros(shape, dtype=dtype, device=device)
+        if self.shared[key].shape[0] < shape[0]:
+            raise RuntimeError(f"a token mixer's static tensor {key} holds {self.shared[key].shape[0]} tokens, "
+                               f"the bucket has {shape[0]}")
+        return self.shared[key][: shape[0]]
+
+    def _inputs(self, attention: bool, inputs, t: int):
+        """``inputs`` (tensors, nested tuples of them) as views of the shared static storages,
+        each original storage copied in first (storages not made of whole tokens stay as they are)."""
+        copies: dict[int, torch.Tensor | None] = {}
+
+        def static(x: torch.Tensor) -> torch.Tensor:
+            st = x.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+            if ptr not in copies:
+                if nbytes % t or nbytes % x.element_size():
+                    copies[ptr] = None
+                else:
+                    whole = x.as_strided((nbytes // x.element_size(),), (1,), 0).view(torch.uint8)
+                    buf = self._buffer((attention, len(copies), nbytes // t), (t, nbytes // t), torch.uint8, x.device)
+                    buf.view(-1).copy_(whole)
+                    copies[ptr] = buf
+            buf = copies[ptr]
+            if buf is None:
+                return x
+            return buf.view(-1).view(x.dtype).as_strided(x.shape, x.stride(), x.storage_offset())
+
+        def walk(xs):
+            return tuple(walk(x) if isinstance(x, (tuple, list)) else static(x) for x in xs)
+
+        return walk(inputs)
 
     def attention(self, layer, q, k, v, positions, meta, memo) -> torch.Tensor:
-        out = self._out((q.shape[0], layer.num_heads, layer.head_dim), q)
-        self._record(_Core(layer, (q, k, v), out, attention=True))
+        t = q.shape[0]
+        out = self._buffer((True, "out"), (t, layer.num_heads, layer.head_dim), q.dtype, q.device)
+        self._record(_Core(layer, self._inputs(True, (q, k, v), t), out, attention=True))
         return out
 
     def linear_attention(self, layer, groups, z, a, b, meta) -> torch.Tensor:
-        out = self._out((z.shape[0], layer.value_dim), z)
-        self._record(_Core(layer, (tuple(groups), z, a, b), out, attention=False))
+        t = z.shape[0]
+        out = self._buffer((False, "out"), (t, layer.value_dim), z.dtype, z.device)
+        groups, z, a, b = self._inputs(False, (tuple(groups), z, a, b), t)
+        self._record(_Core(layer, (groups, z, a, b), out, attention=False))
         return out
 
     def _record(self, core: _Core) -> None:
@@ -125,10 +172,12 @@ class _Bucket:
     def __init__(self, pieces: list, cores: list[_Core], hidden: torch.Tensor) -> None:
         self.pieces, self.cores, self.hidden = pieces, cores, hidden
 
-    def kept(self) -> list[torch.Tensor]:
-        """The tensors of the graphs' pool this bucket keeps: its cores' inputs and its final
-        hidden states (the cores' outputs are shared)."""
-        return [x for core in self.cores for x in _flat(core.inputs)] + [self.hidden]
+    def kept(self, shared: dict | None = None) -> list[torch.Tensor]:
+        """The tensors of the graphs' pool this bucket keeps: its final hidden states, and any
+        core input not on a ``shared`` storage (the cores' static inputs and outputs are shared)."""
+        ptrs = {x.untyped_storage().data_ptr() for x in (shared or {}).values()}
+        return [x for core in self.cores for x in _flat(core.inputs)
+                if x.untyped_storage().data_ptr() not in ptrs] + [self.hidden]
 
 
 def _flat(xs) -> list[torch.Tensor]:
@@ -165,7 +214,7 @@ class MixedGraphs:
         self.graph = graph or torch.cuda.CUDAGraph
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[str, int], _Bucket] = {}
-        self.outputs: list[torch.Tensor] = []  # the cores' static outputs, shared by every bucket
+        self.shared: dict = {}  # the cores' static inputs and outputs, shared by every bucket (_Capture)
         top = self.buckets[-1] if self.buckets else 0
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
@@ -174,14 +223,19 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def _fitted(self, budget: int | None) -> list[int]:
-        """The buckets ``budget`` holds, and the shared outputs made for the largest of them: a
-        forward of the smallest bucket (no capture) shows what a bucket keeps per token."""
+        """The buckets ``budget`` holds, and the shared static inputs and outputs made for the
+        largest of them: a forward of the smallest bucket (no capture) shows what a bucket keeps
+        per token."""
         t = self.buckets[0]
-        probe = _Capture([], None)
+        probe = _Capture({}, None)
         hidden = self._forward(self.kinds[0], t, probe)
-        per_token = storage_bytes(_Bucket([], probe.cores, hidden).kept()) / t
-        shared = storage_bytes(probe.outputs) / t
+        per_token = storage_bytes(_Bucket([], probe.cores, hidden).kept(probe.shared)) / t
+        shared = storage_bytes(list(probe.shared.values())) / t
         self.per_token, self.shared_per_token = per_token, shared
+        # within the budget, the largest bucket's activations too: the graphs' pool keeps what
+        # its capture took at most (the plan counts them so: ``app/footprint.piece_bytes``)
+        self.work_per_token = activation_per_token(self.model.config, hidden.element_size())
+        shared += self.work_per_token
         kept = buckets_within(self.buckets, per_token, shared, len(self.kinds), budget)
         if len(kept) < len(self.buckets):
             log.info("CUDA graphs in pieces up to %s tokens (%d MiB of the %d MiB they may take; %d tokens would "
@@ -189,13 +243,14 @@ class MixedGraphs:
                      budget / 2**20, self.buckets[-1],
                      kept_bytes(self.buckets, per_token, shared, len(self.kinds)) / 2**20)
         if kept:
-            self.outputs = [torch.zeros((kept[-1], *o.shape[1:]), dtype=o.dtype, device=o.device)
-                            for o in probe.outputs]
+            self.shared = {key: torch.zeros((kept[-1], *x.shape[1:]), dtype=x.dtype, device=x.device)
+                           for key, x in probe.shared.items()}
         return kept
 
     def held_bytes(self) -> int:
-        """The bytes the captured buckets keep: their own tensors and the shared outputs."""
-        return storage_bytes([x for b in self.captured.values() for x in b.kept()] + self.outputs)
+        """The bytes the captured buckets keep: their own tensors and the shared inputs and outputs."""
+        shared = list(self.shared.values())
+        return storage_bytes([x for b in self.captured.values() for x in b.kept(self.shared)] + shared)
 
     def _batch(self, kind: str, t: int) -> ForwardBatch:
         """The batch a bucket's forward is captured with: a step of the kind whose description
@@ -239,14 +294,14 @@ class MixedGraphs:
                      ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
     def _capture(self, kind: str, t: int) -> _Bucket:
-        outputs = self.outputs
+        shared = self.shared
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):  # warm-up: the pieces' kernels compiled and tuned outside the capture
-                self._forward(kind, t, _Capture(outputs, None))
+                self._forward(kind, t, _Capture(shared, None))
             pieces = [self.graph()]
 
             def cut() -> None:
@@ -254,7 +309,7 @@ class MixedGraphs:
                 pieces.append(self.graph())
                 pieces[-1].capture_begin(pool=self.pool)
 
-            capture = _Capture(outputs, cut)
+            capture = _Capture(shared, cut)
             pieces[0].capture_begin(pool=self.pool)
             try:
                 hidden = self._forward(kind, t, capture)

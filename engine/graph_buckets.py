@@ -21,23 +21,22 @@ def activation_per_token(config, elt: int) -> int:
 
 
 def kept_per_token(config, elt: int) -> tuple[int, int]:
-    """The bytes a bucket keeps per token (its cores' inputs: attention's query (with its output
-    gate on the hybrid models), key and value; the Gated DeltaNet's q/k/v, z, a and b; the final
-    hidden states) and the shared outputs' per token, for a model of ``config`` whose activations
-    take ``elt`` bytes: what the probe measures, from the shapes alone (the launcher's plan)."""
+    """The bytes a bucket keeps per token (its final hidden states) and the shared static
+    tensors' per token (``cuda_graph_mixed._Capture``: one set of the cores' inputs and outputs
+    per kind of core, attention's query (with its output gate on the hybrid models), key, value
+    and output, the Gated DeltaNet's q/k/v, z, a, b and output), for a model of ``config`` whose
+    activations take ``elt`` bytes: what the probe measures, from the shapes alone (the
+    launcher's plan)."""
     types = config.layer_types
-    n_attn = sum(t == "full_attention" for t in types)
-    n_gdn = sum(t == "linear_attention" for t in types)
-    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    attn_in = (heads * d * (2 if config.is_hybrid else 1) + 2 * kv * d)
-    attn_out = heads * d
-    gdn_in = gdn_out = 0
-    if n_gdn:
+    shared = 0
+    if any(t == "full_attention" for t in types):
+        heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        shared += heads * d * (2 if config.is_hybrid else 1) + 2 * kv * d + heads * d
+    if any(t == "linear_attention" for t in types):
         key = config.linear_num_key_heads * config.linear_key_head_dim
         value = config.linear_num_value_heads * config.linear_value_head_dim
-        gdn_in, gdn_out = 2 * key + 2 * value + 2 * config.linear_num_value_heads, value
-    kept = n_attn * attn_in + n_gdn * gdn_in + config.hidden_size
-    return kept * elt, (n_attn * attn_out + n_gdn * gdn_out) * elt
+        shared += 2 * key + 2 * value + 2 * config.linear_num_value_heads + value
+    return config.hidden_size * elt, shared * elt
 
 
 def kept_bytes(buckets: list[int], per_token: float, shared_per_token: float, kinds: int) -> float:

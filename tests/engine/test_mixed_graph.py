@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from ninfer.engine.cuda_graph_mixed import PROMPT, ROWS, MixedGraphs
+from ninfer.engine.cuda_graph_mixed import PROMPT, ROWS, MixedGraphs, _flat
 from ninfer.engine.graph_buckets import kept_per_token
 from ninfer.engine.loader import load_checkpoint, load_model
 from support.mtp_weights import add_mtp_weights
@@ -114,35 +114,45 @@ def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, capl
     assert "stay eager" in caplog.text
 
 
-def test_the_buckets_keep_their_own_tensors_and_share_the_cores_outputs(parts):
-    """What a bucket keeps between its pieces grows with its tokens; the cores' outputs are one
-    set, sized for the largest bucket: the kept bytes are the probe's bytes a token times the
-    buckets' tokens, plus the shared outputs of 64 tokens."""
+def test_the_buckets_keep_their_hidden_states_and_share_the_cores_inputs_and_outputs(parts):
+    """What a bucket keeps between its pieces is its final hidden states; the cores' static
+    inputs and outputs are one set per kind of core (attention, Gated DeltaNet), sized for the
+    largest bucket: the kept bytes are the hidden states of every bucket's tokens plus the shared
+    set of 64 tokens."""
     model, _ = parts
     with torch.inference_mode():
         mixed = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph)
         mixed.capture()
     assert sorted(t for _, t in mixed.captured) == [16, 32, 48, 64]
-    assert mixed.per_token > 0 and mixed.shared_per_token > 0
-    assert [o.shape[0] for o in mixed.outputs] == [64] * len(mixed.outputs)
+    elt = next(model.parameters()).element_size()
+    assert mixed.per_token == model.config.hidden_size * elt
+    assert {x.shape[0] for x in mixed.shared.values()} == {64}
     expected = mixed.per_token * (16 + 32 + 48 + 64) + mixed.shared_per_token * 64
     assert mixed.held_bytes() == pytest.approx(expected, rel=1e-6)
-    cores = mixed.captured[PROMPT, 16].cores
-    assert all(c.out.data_ptr() == o.data_ptr() for c, o in zip(cores, mixed.outputs))  # the head of the shared one
+    shared = {x.untyped_storage().data_ptr() for x in mixed.shared.values()}
+    for t in (16, 64):
+        cores = mixed.captured[PROMPT, t].cores
+        assert len(cores) == model.config.num_hidden_layers
+        for kind in (True, False):  # every core of a kind: the same output, inputs on the shared storages
+            same = [c for c in cores if c.attention is kind]
+            assert len({c.out.data_ptr() for c in same}) <= 1
+            assert all(x.untyped_storage().data_ptr() in shared for c in same for x in _flat(c.inputs))
 
 
 def test_a_memory_budget_leaves_the_larger_buckets_out_and_their_steps_eager(parts):
-    """A budget that holds the buckets up to 32 tokens (the pieces of 48 and 64 would pass it):
+    """A budget that holds the buckets up to 32 tokens with the largest one's work while it is
+    captured (the pieces of 48 and 64 would pass it):
     only those are captured, within it, and the steps past them run eagerly with the same tokens."""
     model, tok = parts
     with torch.inference_mode():
         whole = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph)
-    budget = int(whole.per_token * (16 + 32) + whole.shared_per_token * 32) + 1
+    top = whole.shared_per_token + whole.work_per_token  # a token of the largest: shared tensors, its capture's work
+    budget = int(whole.per_token * (16 + 32) + top * 32) + 1
     with torch.inference_mode():
         mixed = MixedGraphs(model, torch.device("cpu"), 64, graph=RecordedGraph, budget=budget)
         mixed.capture()
     assert sorted(t for _, t in mixed.captured) == [16, 32]
-    assert mixed.held_bytes() <= budget < whole.per_token * (16 + 32 + 48) + whole.shared_per_token * 48
+    assert mixed.held_bytes() <= budget < whole.per_token * (16 + 32 + 48) + top * 48
 
     eager, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
     runs: list = []
