@@ -14,6 +14,9 @@
 # streams, three rounds each; the 9B's 30K-token conversation, two requests sharing a 30K-token
 # system prompt, and the document chat preset) or "cache16" (the 0.8B at 16 streams with the cache
 # on and off: engine-direct at 32K and 8K of context, through HTTP at 8K) or
+# "steps" (issue 35's steps at GPU speed: the GPU tests of the pieces and verify graphs, bench.decode of
+# the 9B's decode, verify rows and 512-token prompt alone and beside 8 decoders, bench.profile of a
+# 2,033-token step with prompt rows at the 0.8B and of the 9B's prompt beside 8 decoders) or
 # "vision" (bench.vision: images of 1 and 4 megapixels through the 27B-shape tower and model,
 # beside transformers') or "int4" (the 4-bit kernels' GPU tests, bench.gemv_tune --int4 at the
 # 27B's projections, and bench.decode of the 27B and the 35B-A3B with --weights int4, the 27B
@@ -26,8 +29,9 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | cache16 | vision | int4) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, cache16, vision, int4)" >&2; exit 2 ;;
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | cache16 | steps | vision | int4) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, cache16, steps, vision, int4)" >&2
+        exit 2 ;;
 esac
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -121,6 +125,14 @@ if [ "$parts" = cache16 ]; then
         --max-context 8192 --json "$out/cost16-8k.json"
     run cache16-8k "$py" -m bench.serve --shape qwen3.5-0.8b --cache-ab --repeat 3 --streams 16 --prompt-tokens 200 \
         --output-tokens 256 --json "$out/cache16-8k.json" -- --max-context 8192
+fi
+if [ "$parts" = steps ]; then
+    run steps-tests "$py" -m pytest -q tests/gpu/test_mixed_graph_gpu.py tests/gpu/test_verify_graph_gpu.py -p no:cacheprovider
+    run steps-9b "$py" -m bench.decode --shape qwen3.5-9b --batches 1,8 --context 512 --prefill 512 --beside 8 --verify 4 \
+        --steps 16 --no-hf --json "$out/steps-9b.json"
+    # 16 prompts of 127 tokens and one decoding row: 2,033 tokens, inside the largest bucket (2,048)
+    run profile-0.8b "$py" -m bench.profile --shape qwen3.5-0.8b --batch 1 --mixed 16 --mixed-tokens 127
+    run profile-9b "$py" -m bench.profile --shape qwen3.5-9b --batch 8 --context 512 --mixed 1 --mixed-tokens 512
 fi
 if [ "$parts" = serve ]; then
     load="--prompt-tokens 200 --output-tokens 256"
