@@ -41,19 +41,25 @@ def test_a_burst_of_new_prompts_widens_the_bound():
     assert pace.prompt_tokens(decoding=8, waiting=400) == 2048  # never past the token budget
 
 
-def test_prompts_always_advance():
-    pace = learned(decode_ms=1.0, mixed_ms=60.0)  # a slow prompt path beside fast decode steps
-    assert pace.prompt_tokens(decoding=64, waiting=1) == 64  # the floor
+def test_a_fixed_cost_is_told_apart_from_the_cost_per_token():
+    """Steps of two sizes: 8 decoders at 6 ms, prompt tokens adding 4 ms plus 0.02 ms each."""
+    pace = learned(mixed_ms=6 + 4 + 0.02 * 512)
+    pace.observe(8, 128, (6 + 4 + 0.02 * 128) * MS)
+    fixed, per_token = pace.cost()
+    assert fixed == pytest.approx(4 * MS) and per_token == pytest.approx(0.02 * MS)
+    assert pace.prompt_tokens(decoding=8, waiting=1) == pytest.approx(400, abs=1)  # (12 ms - 4 ms) / 0.02 ms
 
 
-def test_nothing_is_capped_before_a_step_with_prompt_rows_was_seen():
-    pace = StepPace(3.0, floor=64, most=2048)
-    pace.observe(8, 0, 6 * MS)
+def test_no_cap_where_the_fixed_cost_alone_passes_the_gap():
+    """A step with prompt rows costs 20 ms whatever its size beside 6 ms decode steps (a host-bound
+    step): no chunk keeps 3 decode steps' time, and cutting the prompt would only repeat those
+    20 ms in more steps, so the whole budget goes."""
+    pace = learned(mixed_ms=6 + 20 + 0.02 * 512)
+    pace.observe(8, 128, (6 + 20 + 0.02 * 128) * MS)
+    assert pace.cost()[0] == pytest.approx(20 * MS)
     assert pace.prompt_tokens(decoding=8, waiting=1) == 2048
-    pace.observe(0, 1024, 50 * MS)  # a prompt alone: what its tokens cost
-    assert pace.prompt_tokens(decoding=8, waiting=1) == int(2 * 6 * MS / (50 * MS / 1024))
-    pace.reset()
-    assert pace.prompt_tokens(decoding=8, waiting=1) == 2048
+    slow = learned(decode_ms=1.0, mixed_ms=60.0)  # one size only: all of it per token, past the floor
+    assert slow.prompt_tokens(decoding=64, waiting=1) == 2048
 
 
 class FixedPace(StepPace):
@@ -61,8 +67,11 @@ class FixedPace(StepPace):
 
     def __init__(self, most: int) -> None:
         super().__init__(3.0, floor=16, most=most)
-        self.decode_s, self.per_token_s = 6 * MS, 0.25 * MS
+        self.decode_s = 6 * MS
         self.caps: list[int] = []
+
+    def cost(self) -> tuple[float, float]:
+        return 0.0, 0.25 * MS
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         pass
@@ -126,6 +135,6 @@ def test_an_engine_asked_to_pace_learns_from_its_own_steps(parts):
     eng = engine(parts, decode_gap=3.0)
     assert eng.pace is not None and eng.scheduler.pace is eng.pace
     run(eng, eng.pace)
-    assert eng.pace.decode_s > 0 and eng.pace.per_token_s > 0  # learned from the engine's own steps
+    assert eng.pace.decode_s > 0 and eng.pace.cost()[1] > 0  # learned from the engine's own steps
     with pytest.raises(ValueError, match="decode_gap must be 0 \\(none\\) or >= 1.5"):
         EngineConfig(decode_gap=1.2)
