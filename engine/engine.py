@@ -258,24 +258,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        start = time.perf_counter() if self.pace is not None else 0.0
         try:
             return self._step()
         finally:
-            end = time.perf_counter()
-            if self._stepped is not None and self.pace is not None:
-                # the gap the step's decoding requests saw: from the end of the step before it
-                # where this one followed at once (the host's work between them included)
-                since = self._step_end if start - self._step_end < self.PACE_FOLLOWS_S else start
-                self.pace.observe(*self._stepped, end - since)
-            self._stepped, self._step_end = None, end
+            if self.pace is not None:
+                self._paced(start)
             self.last_step = time.monotonic()
+
+    def _paced(self, start: float) -> None:
+        """Show the pace the step read in this call (``_stepped``) and the gap its decoding
+        requests saw: from the end of the step before it where this one followed at once (the
+        host's work between them included), else from ``start``."""
+        end = time.perf_counter()
+        if self._stepped is not None:
+            since = self._step_end if start - self._step_end < self.PACE_FOLLOWS_S else start
+            self.pace.observe(*self._stepped, end - since)
+        self._stepped, self._step_end = None, end
 
     def _step(self) -> list[RequestOutput]:
         outputs = [self._expire(r) for r in self.scheduler.expired()] + self._compiled()
         if self._ahead is not None:  # launched last step: its plan is this step's
             launched, self._ahead = self._ahead, None
-            self._stepped = (len(launched.plan), 0)
+            if self.pace is not None:
+                self._stepped = (len(launched.plan), 0)
             # rows under a grammar: drawn now, the matchers having taken the last step's tokens,
             # while the device may still be running this step's forward
             self.runner.sample(launched)
@@ -290,8 +296,9 @@ class LLMEngine:
                         for r in self.scheduler.admitted]
             if not plan:
                 return outputs
-            prompt = [n for r, n in plan if r.status is Status.PREFILL]
-            self._stepped = (len(plan) - len(prompt), sum(prompt))
+            if self.pace is not None:
+                prompt = [n for r, n in plan if r.status is Status.PREFILL]
+                self._stepped = (len(plan) - len(prompt), sum(prompt))
             launched = self.runner.launch(plan)
             self._checkpoint(plan)
         self._ahead = self._launch_ahead(launched)
