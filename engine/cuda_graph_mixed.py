@@ -68,11 +68,10 @@ class _Core:
         layer, meta = self.layer, batch.step
         if self.attention:
             q, k, v = (x[:n] for x in self.inputs)
-            out = layer.backend.step(layer, q, k, v, batch.positions, meta, batch.memo)
+            layer.backend.step(layer, q, k, v, batch.positions, meta, batch.memo, out=self.out[:n])
         else:
             groups, z, a, b = self.inputs
-            out = layer.backend.step(layer, tuple(g[:n] for g in groups), z[:n], a[:n], b[:n], meta)
-        self.out[:n].copy_(out)
+            layer.backend.step(layer, tuple(g[:n] for g in groups), z[:n], a[:n], b[:n], meta, out=self.out[:n])
 
 
 class _Capture:

@@ -37,9 +37,9 @@ class TorchAttention:
     fused_write = False  # q/k norm + RoPE + K/V write in one Triton launch (unquantized pages)
 
     def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, meta,
-             memo: dict | None) -> torch.Tensor:
+             memo: dict | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The step's new K/V written into its pages, then its decode rows and its prompt rows
-        attending over them: ``[N, H, D]`` with the output gate applied."""
+        attending over them: ``[N, H, D]`` with the output gate applied (into ``out`` where given)."""
         ordinal = meta.attn_ordinal[layer.layer_idx]
         k_pages, v_pages, k_scale, v_scale = meta.kv.layer(ordinal)
         if self.fused_write and k_scale is None and positions.dim() == 1:  # three-axis positions: the torch write
@@ -56,7 +56,11 @@ class TorchAttention:
             parts.append(self.prefill(q[d:], k_pages, v_pages, meta.block_tables[d:], prompt.cu_seqlens,
                                       meta.context_lens[d:], prompt.max_seqlen, layer.scale,
                                       None if gate is None else gate[d:], k_scale, v_scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if out is None:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return out.copy_(parts[0])
+        return torch.cat(parts, out=out)
 
     def decode(self, q, k_pages, v_pages, block_tables, context_lens, scale, gate, k_scale, v_scale):
         from .paged_attention import paged_decode_attention_sdpa
@@ -125,22 +129,28 @@ class TorchLinearAttention:
     name = "torch"
 
     def step(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             meta) -> torch.Tensor:
+             meta, out: torch.Tensor | None = None) -> torch.Tensor:
         """A step over the state slots from the input projections (the conv input whole or as its
         q / k / v groups, z, a, b): its decode rows (every row, in a step without prompt rows),
         then its prompt rows, each from its slot's states, which it advances. ``[N, value_dim]``,
-        ``out_proj``'s input."""
+        ``out_proj``'s input (written into ``out``, contiguous, where given: the prompt rows'
+        output norm writes there directly)."""
         n = z.shape[0]
         d = n if meta.prompt is None else meta.num_decode
         parts = []
         if d:
             qkv = groups[0][:d] if len(groups) == 1 else torch.cat([x[:d] for x in groups], dim=-1)
             parts.append(self._decode_rows(layer, qkv, z[:d], a[:d], b[:d], meta))
+            if out is not None:
+                out[:d].copy_(parts.pop())
         if d < n:
             t = n - d
+            heads = (t, layer.num_v_heads, layer.head_v_dim)
             o = self.prompt(layer, tuple(x[d:] for x in groups), a[d:], b[d:], meta)
-            parts.append(layer.norm(o.to(z.dtype), z[d:].view(t, layer.num_v_heads, layer.head_v_dim))
-                         .reshape(t, layer.value_dim))
+            y = layer.norm(o.to(z.dtype), z[d:].view(heads), out=None if out is None else out[d:].view(heads))
+            parts.append(y.reshape(t, layer.value_dim))
+        if out is not None:
+            return out
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode_rows(self, layer, qkv, z, a, b, meta) -> torch.Tensor:

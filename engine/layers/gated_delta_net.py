@@ -45,14 +45,16 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., H, D]``; written into ``out`` (contiguous, ``x``'s size) where given."""
         if on_triton(x):
             from .norm_triton import gated_rms_norm_triton
 
-            return gated_rms_norm_triton(x, z.to(x.dtype), self.weight, self.eps)
+            return gated_rms_norm_triton(x, z.to(x.dtype), self.weight, self.eps, out)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float() * F.silu(z.float())).to(x.dtype)
+        y = (x32 * self.weight.float() * F.silu(z.float())).to(x.dtype)
+        return y if out is None else out.view(y.shape).copy_(y)
 
 
 class GatedDeltaNet(NormFusedInput, nn.Module):

@@ -62,14 +62,19 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """``ROWS`` rows per program: the rows are one head wide (128), too short to keep a program busy."""
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, H, stride_zt, eps, ROWS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """``ROWS`` rows (heads) per program: the rows are one head wide (128), too short to keep a
+    program busy. ``z`` is read in place from its token rows (``stride_zt`` apart, ``H`` heads
+    each): the projection's output it is a view of needs no copy."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    rows64 = rows.to(tl.int64)
+    offs = rows64[:, None] * D + cols[None, :]
+    z_offs = ((rows64 // H) * stride_zt + (rows64 % H) * D)[:, None] + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + z_offs, mask=mask, other=0.0).to(tl.float32)
     inv = inv_rms(x, D, eps, 1)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w[None, :] * (z / (1.0 + tl.exp(-z)))
@@ -111,14 +116,28 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return out.view(x.shape), res_out.view(x.shape)
 
 
-def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rmsnorm(x) * weight * silu(z)`` per head: ``x`` and ``z`` ``[..., H, D]`` (``z`` may be
+    a view whose tokens lie apart, as in the fused input projection's output), into ``out``
+    (contiguous, ``x``'s size) where given."""
     d = x.shape[-1]
     if z.shape != x.shape or weight.shape != (d,):
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
-    x2, z2 = x.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
-    out = torch.empty_like(x2)
+    x2 = x.reshape(-1, d).contiguous()
+    heads = x.shape[-2] if x.dim() >= 2 else 1
+    if x.dim() == 3 and z.stride(2) == 1 and z.stride(1) == d:  # token rows apart: read in place
+        z2, stride_zt = z, z.stride(0)
+    else:
+        z2 = z.reshape(-1, d).contiguous()
+        heads, stride_zt = 1, d
+    if out is None:
+        out = torch.empty_like(x2)
+    elif out.numel() != x2.numel() or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"gated_rms_norm: out {tuple(out.shape)} {out.dtype} for x {tuple(x.shape)} {x.dtype}")
     n, block = x2.shape[0], triton.next_power_of_2(d)
     rows = 1 if n < 4096 else max(1, 2048 // block)  # decode: a program per row, for parallelism
     if n:
-        _gated_rms_norm_kernel[(triton.cdiv(n, rows),)](x2, z2, weight, out, n, d, eps, ROWS=rows, BLOCK=block)
+        _gated_rms_norm_kernel[(triton.cdiv(n, rows),)](x2, z2, weight, out, n, d, heads, stride_zt, eps, ROWS=rows,
+                                                         BLOCK=block)
     return out.view(x.shape)

@@ -64,8 +64,11 @@ def test_gated_rms_norm(tokens):
     norm = GatedRMSNorm(128).cuda()
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
     x = torch.randn(tokens, 48, 128, device="cuda", dtype=torch.bfloat16)
-    z = torch.randn_like(x)
-    out = norm(x, z)
+    proj = torch.randn(tokens, 48 * 128 + 64, device="cuda", dtype=torch.bfloat16)
+    z = proj[:, 32: 32 + 48 * 128].view(tokens, 48, 128)  # read in place from the projection's rows
+    into = torch.empty(tokens, 48 * 128, device="cuda", dtype=torch.bfloat16)
+    out = norm(x, z, out=into)
+    assert out.data_ptr() == into.data_ptr()
     ref = norm.cpu()(x.cpu().float(), z.cpu().float()).cuda()
     assert rel_err(out, ref) < 1e-2
 

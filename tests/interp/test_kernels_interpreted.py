@@ -81,6 +81,13 @@ def test_norm_kernels():
     for tokens in (4, 700):  # 700 x 6 rows: tiles of rows, the last one ragged
         x, z = torch.randn(tokens, 6, 32), torch.randn(tokens, 6, 32)
         assert rel_err(gated_rms_norm_triton(x, z, gated.weight, gated.eps), gated(x, z)) < 1e-5
+    # z read in place from a wider projection's rows, written into the caller's buffer
+    proj = torch.randn(700, 6 * 32 + 40)
+    x, z = torch.randn(700, 6, 32), proj[:, 8: 8 + 6 * 32].view(700, 6, 32)
+    out = torch.full((800, 6 * 32), float("nan"))
+    got = gated_rms_norm_triton(x, z, gated.weight, gated.eps, out=out[100:])
+    assert got.data_ptr() == out[100:].data_ptr() and torch.isnan(out[:100]).all()
+    assert rel_err(out[100:].view(700, 6, 32), gated(x, z.contiguous())) < 1e-5
     g, u = torch.randn(3, 100), torch.randn(3, 100)
     assert rel_err(silu_mul_triton(g, u), torch.nn.functional.silu(g) * u) < 1e-5
 
