@@ -149,7 +149,8 @@ def quantize_(model: torch.nn.Module, bits: int) -> None:
 
 def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes of the weights a decode step of ``batch`` tokens reads: every parameter and held
-    buffer but the token embedding (a step reads its rows only) and the state caches, the MoE
+    buffer but the token embedding (a step reads its rows only) and the state caches (each
+    storage once: fused projections' parts are views), the MoE
     experts' (dense or held) as the share ``min(E, batch * k) / E`` of them a step's routing reads."""
     from ninfer.engine.layers.moe import FusedExperts
 
@@ -160,8 +161,14 @@ def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     experts = {id(t) for m in model.modules() if isinstance(m, FusedExperts)
                for t in list(m.parameters()) + list(m.buffers())}
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
-    other = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in experts)
-    held = sum(t.numel() * t.element_size() for i, t in tensors.items() if i in experts)
+    # a fused projection's parts are views of its tensors (``fused_linear.fuse_linears``,
+    # ``linear.fuse_methods``): each storage counts once, whole
+    storages: dict[int, tuple[int, bool]] = {}
+    for i, t in tensors.items():
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = (s.nbytes(), i in experts or storages.get(s.data_ptr(), (0, False))[1])
+    other = sum(n for n, e in storages.values() if not e)
+    held = sum(n for n, e in storages.values() if e)
     share = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts if held else 0.0
     return other + int(held * share)
 

@@ -1,6 +1,6 @@
 """Where a decode step and a prefill spend GPU time: per-kernel totals from the torch profiler.
 
-    python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384]
+    python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384] [--weights int4]
     python -m bench.profile --shape qwen3.5-0.8b --batch 8 --mixed 16 --mixed-tokens 128 [--set NAME=VALUE]
 
 Builds the same random-weight engine as ``bench.decode``, then profiles a few eager decode steps
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-tokens", type=int, default=128, help="tokens of each --mixed prompt")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a kernel launch setting first, e.g. mixed_graph_tokens=512")
+    p.add_argument("--weights", choices=["bf16", "int8", "int4"], default="bf16",
+                   help="int8 / int4: the projections held quantized, as bench.decode --weights")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's word on its graphs
     if torch.cuda.is_available():
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     mixed = args.mixed * args.mixed_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = _engine(cfg, args.batch + args.mixed, args.context, 64, max(args.prefill, 16, mixed), device,
-                     prefill_chunk=max(args.prefill, 2048, mixed + args.batch))
+                     prefill_chunk=max(args.prefill, 2048, mixed + args.batch),
+                     bits={"int4": 4, "int8": 8}.get(args.weights))
     reqs = _requests(args.batch, args.context, 256, cfg.vocab_size, "d", engine.config.max_context)
     for r in reqs:
         engine.add_request(r)
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         _sync()
     engine.runner.graphs = graphs
-    print(f"## {args.shape} decode batch {args.batch}, context {args.context} (eager step)")
+    print(f"## {args.shape} ({args.weights}) decode batch {args.batch}, context {args.context} (eager step)")
     print(kernel_table(prof, args.steps, args.top), flush=True)
     if args.host:
         host_profile(engine, 50, args.top)

@@ -181,7 +181,8 @@ class Int4CpuMethod(LinearMethod):
         # (a decode step's rows come 2-D, taken as they are: each call here costs a few
         # microseconds beside a product of tens, and a decoded token makes 120 of them)
         flat = x.dim() == 2
-        x2 = (x if flat else x.reshape(-1, self.in_features)).to(ACTIVATION_DTYPE)
+        # the kernel takes contiguous rows only (a Gated DeltaNet prompt's output comes strided)
+        x2 = (x if flat else x.reshape(-1, self.in_features)).to(ACTIVATION_DTYPE).contiguous()
         out, buffers = None, self._buffers
         for packed_name, sz_name in self._names:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, buffers[packed_name], self.group,

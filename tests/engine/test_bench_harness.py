@@ -172,3 +172,24 @@ def test_int4_moe_floor_counts_the_held_experts_a_step_reads():
     one, three = streamed_weight_bytes(model, 1), streamed_weight_bytes(model, 3)
     assert three - one == held * 4 // 16  # four more experts of 16 read
     assert out["decode"][1]["bytes_per_step"] < out["decode"][3]["bytes_per_step"]
+
+
+def test_int4_floor_counts_a_fused_projection_once(monkeypatch):
+    """The projections fused after quantizing (one method, the parts views of its tensors, as
+    the GPU holds them) stream the bytes they did apart: the floor of a 4-bit step is not
+    doubled by the views. (The GPU's method built on the CPU: only its tensors are looked at.)"""
+    import torch
+
+    from bench.decode import quantize_, randomize_, streamed_weight_bytes
+    from ninfer.engine.layers import linear
+    from ninfer.engine.layers.fused_linear import fuse_model_projections
+    from ninfer.engine.models.registry import build_model
+
+    monkeypatch.setattr(linear, "quantized_method", lambda w, device: linear.TritonGroupMethod.from_groups(w, device))
+    cfg = ModelConfig.from_hf_dict(dict(TINY, hidden_size=256, intermediate_size=512))
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    randomize_(model)
+    quantize_(model, 4)
+    apart = streamed_weight_bytes(model)
+    assert fuse_model_projections(model) > 0
+    assert streamed_weight_bytes(model) == apart

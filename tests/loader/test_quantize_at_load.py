@@ -174,3 +174,27 @@ def test_experts_with_one_matrix_held_are_made_dense_again_for_the_kernels():
     held = GroupQuantized(q.q, q.scale.half().float(), q.offset.half().float(), q.group, 4, "int4")  # fp16 scales
     assert torch.equal(experts.gate_up_proj, held.dequantize().view(4, 64, 64))
     assert not experts.settle(torch.float32)  # nothing left to settle
+
+
+@pytest.mark.parametrize("weights,length", [("int8", 64), ("int4", 64), ("int4", 150)])
+def test_engine_serves_a_prompt_of_chunks_with_the_weights_held_quantized(tiny_qwen, weights, length):
+    """A prompt long enough for the Gated DeltaNet's chunked form (whose output reaches
+    ``out_proj`` strided) runs through the engine with every projection held quantized, and its
+    greedy tokens are those of the same weights run token by token without the engine."""
+    from ninfer.engine.engine import LLMEngine
+    from ninfer.engine.request import Request
+    from ninfer.engine.sampling_params import SamplingParams
+
+    quant = load_model(tiny_qwen, "cpu", torch.float32, weights)
+    ids = [3 + (7 * i) % 300 for i in range(length)]
+    eng = LLMEngine(quant, tiny_qwen.tokenizer, EngineConfig(max_context=256, max_concurrency=2))
+    eng.add_request(Request("long", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                            max_total_tokens=256))
+    got = []
+    while eng.has_work:
+        for o in eng.step():
+            got += list(o.token_ids or [])
+    want = []
+    for _ in range(3):
+        want.append(int(logits(quant, ids + want)[-1].argmax()))
+    assert got == want
