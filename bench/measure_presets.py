@@ -5,6 +5,8 @@ writes JSON; rows that held go into app/presets.json by hand, with the note it p
 
     python -m ninfer.bench.measure_presets --shape Qwen3.5-0.8B --lanes 1,4 --prompt-tokens 32768
     python -m ninfer.bench.measure_presets --shape Qwen3.5-27B --lanes 1 --cap-gib 16,24 --prompt-tokens 131072
+    python -m ninfer.bench.measure_presets --shape Qwen3.5-27B --checkpoint-format gptq --cap-gib 16 \
+        --prompt-tokens 131072 --serve-args "--kv-dtype 4bit"
 
 ``--cap-gib``: plan for the GPU as if it had only that many GiB (no desktop on it), and run the
 server held to them (``--gpu-memory-gib``, torch's per-process memory fraction): the rows of a
@@ -26,7 +28,7 @@ import httpx
 from ..app.gpu_probe import plan_device, probe
 from ..app.launch import child_env, parse_options, read_serve_args, resolve
 from ..app.plan import GiB
-from .shapes import random_checkpoint
+from .shapes import random_checkpoint, random_gptq_checkpoint
 
 
 class Peak(threading.Thread):
@@ -116,12 +118,20 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--out", default="bench/results/presets.json")
     p.add_argument("--serve-args", default="", help="ninfer-serve flags over the plan's (one string)")
+    p.add_argument("--checkpoint-format", choices=["bf16", "gptq"], default="bf16",
+                   help="the random weights in bf16, or 4-bit as gptqmodel saves them (the 27B in 15 GB of disk)")
     p.add_argument("--cap-gib", default="", help="comma-separated GiB: plan and run held to each (default: the card)")
     args = p.parse_args()
     result = probe()
     print(result.summary(), flush=True)
     device = plan_device(result)
-    model = random_checkpoint(args.shape, Path(args.checkpoint) / args.shape)
+    from ..engine.frontend.qwen_tiktoken import load_qwen_tiktoken
+
+    vocab = load_qwen_tiktoken("qwen3.6").vocab_size  # the tokenizer the server takes for a checkpoint without one
+    if args.checkpoint_format == "gptq":
+        model = random_gptq_checkpoint(args.shape, Path(args.checkpoint) / f"{args.shape}-gptq", vocab)
+    else:
+        model = random_checkpoint(args.shape, Path(args.checkpoint) / args.shape, vocab)
     rows = []
     caps = [float(x) for x in args.cap_gib.split(",") if x] or [None]
     for cap, lanes in ((c, n) for c in caps for n in (int(x) for x in args.lanes.split(","))):

@@ -52,7 +52,7 @@ import torch
 from ninfer.engine.loader.embedded import EMBEDDED_MODEL_ID
 
 from .serve_load import Load, measure
-from .shapes import SHAPES, random_checkpoint
+from .shapes import SHAPES, random_checkpoint, random_gptq_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,9 +233,11 @@ def model_for(args: argparse.Namespace) -> str | None:
     from ninfer.engine.frontend.qwen_tiktoken import load_qwen_tiktoken
 
     vocab = load_qwen_tiktoken("qwen3.6").vocab_size
-    path = Path(args.checkpoint_dir) / f"{args.shape}-vocab{vocab}"
-    print(f"random checkpoint at the {args.shape} shape (vocabulary {vocab}): {path}", flush=True)
-    return str(random_checkpoint(args.shape, path, vocab))
+    gptq = args.checkpoint_format == "gptq"
+    path = Path(args.checkpoint_dir) / f"{args.shape}-vocab{vocab}{'-gptq' if gptq else ''}"
+    print(f"random {args.checkpoint_format} checkpoint at the {args.shape} shape (vocabulary {vocab}): {path}",
+          flush=True)
+    return str((random_gptq_checkpoint if gptq else random_checkpoint)(args.shape, path, vocab))
 
 
 # named loads: each sets the load's arguments the command line leaves unset
@@ -261,6 +263,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     which.add_argument("--model", help="checkpoint directory or .gguf file (default: the embedded model)")
     p.add_argument("--checkpoint-dir", default=str(Path(tempfile.gettempdir()) / "ninfer-bench-checkpoints"),
                    help="where --shape checkpoints are written and found again")
+    p.add_argument("--checkpoint-format", choices=["bf16", "gptq"], default="bf16",
+                   help="--shape's random weights in bf16, or 4-bit as gptqmodel saves them (a quarter of the disk)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named load (its arguments, unless given)")
     p.add_argument("--streams", help="sessions, one run each (comma-separated; default 1,4,16,64)")
     p.add_argument("--prompt-tokens", type=int, help="tokens of each session's first prompt (default 200)")

@@ -96,3 +96,86 @@ def random_checkpoint(shape: str | dict, path: Path, vocab_size: int | None = No
     shutil.rmtree(path, ignore_errors=True)
     os.replace(partial, path)
     return path
+
+
+# the projections a GPTQ quantizer takes in a Qwen3.5 checkpoint (the GDN's in_proj_a / in_proj_b,
+# norms, conv, embedding and LM head stay bf16, as in Qwen's and gptqmodel's int4 releases)
+GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj")
+SHARD_BYTES = 4 << 30
+
+
+def random_gptq_checkpoint(shape: str | dict, path: Path, vocab_size: int | None = None, group: int = 128) -> Path:
+    """A checkpoint at ``shape`` as gptqmodel saves a 4-bit one (symmetric, groups of ``group``,
+    the classic format): random packed integers in every projection of ``GPTQ_MODULES``, small
+    random bf16 values in the other matrices, zeros in the vectors (the zero-centred norms then
+    scale by one; the Gated DeltaNet's output norm, which is not, ones). Written tensor by tensor in shards, with no model built: the 27B's is 15 GB
+    where the bf16 one is 54 GB. The tensor names and shapes are those transformers saves at
+    that config (``random_checkpoint``); reused, and written beside ``path`` first, as there."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(SHAPES[shape.lower()] if isinstance(shape, str) else shape)
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    made = path / "random_shape.json"
+    record = {"config": cfg, "weights": "gptq", "group": group}
+    if made.exists() and json.loads(made.read_text()) == record:
+        return path
+    config = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    names = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
+    del model
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    config.save_pretrained(partial)
+    saved = json.loads((partial / "config.json").read_text())
+    saved["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                    "sym": True, "checkpoint_format": "gptq"}
+    (partial / "config.json").write_text(json.dumps(saved, indent=2))
+    gen = torch.Generator().manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    nbytes = [0, 0]  # the shard's, the whole checkpoint's
+
+    def flush() -> None:
+        if shard:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(partial / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard.clear()
+            nbytes[0] = 0
+
+    def put(name: str, t: torch.Tensor) -> None:
+        shard[name] = t
+        nbytes[0] += t.numel() * t.element_size()
+        nbytes[1] += t.numel() * t.element_size()
+        if nbytes[0] >= SHARD_BYTES:
+            flush()
+
+    for name, (dims, dtype) in names.items():
+        module, leaf = name.rsplit(".", 1)
+        if leaf == "weight" and len(dims) == 2 and module.rsplit(".", 1)[-1] in GPTQ_MODULES \
+                and dims[1] % group == 0 and dims[0] % 8 == 0:
+            out, cols = dims
+            put(f"{module}.qweight", torch.randint(-2**31, 2**31, (cols // 8, out), dtype=torch.int32, generator=gen))
+            put(f"{module}.qzeros", torch.full((cols // group, out // 8), 0x77777777, dtype=torch.int32))  # zero 8, stored - 1
+            # |scale * (q - 8)| <= 8 * scale: weights of about the spread of a 0.02-std matrix
+            put(f"{module}.scales", (0.003 + 0.002 * torch.rand(cols // group, out, generator=gen)).half())
+            put(f"{module}.g_idx", torch.arange(cols, dtype=torch.int32) // group)
+        elif len(dims) >= 2:
+            put(name, (torch.randn(dims, generator=gen) * 0.02).to(dtype))
+        elif name.endswith("linear_attn.norm.weight"):  # the gated output norm scales by its weight itself
+            put(name, torch.ones(dims, dtype=dtype))
+        else:
+            put(name, torch.zeros(dims, dtype=dtype))
+    flush()
+    (partial / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": nbytes[1]}, "weight_map": weight_map}, indent=2))
+    made_in = partial / made.name
+    made_in.write_text(json.dumps(record))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(partial, path)
+    return path
