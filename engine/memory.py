@@ -79,11 +79,14 @@ def moving_slots(config: EngineConfig, checkpoints: int) -> int:
     return min(4, max(1, checkpoints // 4))
 
 
+CHECKPOINTS_PER_TURN = 2  # a request leaves two: where its prompt ends and where its answer does
+
+
 def checkpoints_ahead(config: EngineConfig, checkpoints: int) -> int:
-    """Places in the prefix checkpoint table kept free while the engine is idle: one per
-    concurrent request (a burst of new prompts keeps one checkpoint each), at most a quarter of
-    the table."""
-    return min(config.max_concurrency, checkpoints // 4)
+    """Places in the prefix checkpoint table kept free while the engine is idle: two per
+    concurrent request (a burst of new prompts keeps both of each one's checkpoints, none evicted
+    in its steps), at most half the table."""
+    return min(CHECKPOINTS_PER_TURN * config.max_concurrency, checkpoints // 2)
 
 
 def _kv_tokens(model: ModelConfig, config: EngineConfig, checkpoints: int) -> int:

@@ -143,25 +143,26 @@ def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts)
 
 
 def test_an_idle_engine_keeps_room_for_the_next_burst_of_prompts(parts):
-    """Eight checkpoints for two concurrent requests: once idle the engine keeps two places free
-    (one per request) by moving the least recently used to host memory, so the next two prompts
-    keep theirs without any checkpoint evicted in their steps; idle again, the table is back."""
+    """Eight checkpoints for two concurrent requests: once idle the engine keeps four places free
+    (two per request: where its prompt ends and where its answer does) by moving the least
+    recently used to host memory, so the next two requests keep theirs without any checkpoint
+    evicted in their steps or left beyond the table; idle again, the table is back."""
     eng = engine(parts, prefix_checkpoints=8, max_concurrency=2)
     prefix = eng.caches.prefix
     for i in range(4):
         run(eng, [req(f"old{i}", [3 + (5 * i + j) % 70 for j in range(20 + i)], 4)])
-    assert len(prefix) == 6 and prefix.num_host == 2
+    assert len(prefix) == 4 and prefix.num_host == 4
     kept = {id(e) for e in prefix.entries}
     new = [req(f"new{i}", [4 + (7 * i + j) % 60 for j in range(25 + i)], 4) for i in range(2)]
     for r in new:
         eng.add_request(r)
     while eng.has_work:
         eng.step()
-    assert kept <= {id(e) for e in prefix.entries} and prefix.num_host == 2  # none evicted in the steps
-    assert len(prefix) == 10  # the two prompts' and the two answers' (two beyond the table's size)
+    assert kept <= {id(e) for e in prefix.entries} and prefix.num_host == 4  # none evicted in the steps
+    assert len(prefix) == 8 and prefix.over == 0  # the two prompts' and the two answers', within the table
     while eng.idle_work():
         pass
-    assert len(prefix) == 6 and prefix.num_host == 6 and eng.caches.idle()
+    assert len(prefix) == 4 and prefix.num_host == 8 and eng.caches.idle()
     again = run(eng, [req("again", new[0].prompt_ids + [1, 2], 4)])["again"]
     assert again[1] == len(new[0].prompt_ids)  # the burst's checkpoints are there to go on from
 

@@ -38,8 +38,20 @@ def load(round_: int) -> list[Request]:
             for i in range(STREAMS)]
 
 
-def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list[int]]]:
-    """All of ``reqs`` at once to the end: the steps, their summed time, each request's tokens."""
+def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list[int]], int]:
+    """All of ``reqs`` at once to the end: the steps, their summed time, each request's tokens,
+    and how many checkpoints were evicted inside the steps or left beyond the table after one
+    (which a GPU's engine evicts while its next step runs, ``LLMEngine.step``)."""
+    prefix = eng.caches.prefix
+    evictions = [0]
+    if prefix is not None:
+        evict_one = prefix.evict_one
+
+        def counted(keep: bool = False) -> bool:
+            evictions[0] += 1
+            return evict_one(keep)
+
+        prefix.evict_one = counted
     for r in reqs:
         eng.add_request(r)
     steps, spent, out = 0, 0.0, {r.request_id: [] for r in reqs}
@@ -48,11 +60,15 @@ def run(eng: LLMEngine, reqs: list[Request]) -> tuple[int, float, dict[str, list
         outputs = eng.step()
         spent += time.thread_time() - t0
         steps += 1
+        if prefix is not None:
+            evictions[0] += prefix.over
         for o in outputs:
             out[o.request_id] += list(o.token_ids or [])
+    if prefix is not None:
+        del prefix.evict_one
     while eng.idle_work():  # as the server's loop does between steps and requests (no step waits for it)
         pass
-    return steps, spent, out
+    return steps, spent, out, evictions[0]
 
 
 def test_distinct_prompts_take_the_same_steps_and_time_with_the_cache_as_without(parts):
@@ -62,18 +78,20 @@ def test_distinct_prompts_take_the_same_steps_and_time_with_the_cache_as_without
     times = {"on": [], "off": []}
     for round_ in range(8):  # alternating, so a slower moment of the machine falls on both; the least of seven each
         for name, eng in (("on", cached), ("off", plain)) if round_ % 2 else (("off", plain), ("on", cached)):
-            steps, spent, out = run(eng, load(round_))
-            times[name].append((steps, spent, out))
-    for (s_on, _, out_on), (s_off, _, out_off) in zip(times["on"], times["off"]):
+            steps, spent, out, evicted = run(eng, load(round_))
+            times[name].append((steps, spent, out, evicted))
+    for (s_on, _, out_on, _), (s_off, _, out_off, _) in zip(times["on"], times["off"]):
         assert s_on == s_off  # no step added: no chunk cut, nothing waited for
         assert out_on == out_off  # token-identical
     # every request left two checkpoints (where its prompt and its answer ended); the newest
-    # stay on the device, less a place for each of the next burst's prompts (kept free while the
-    # engine is idle, so its steps evict none), and the rest went to the host tier, where they
-    # stay within its budget
-    assert len(prefix) == prefix.max_entries - STREAMS and prefix.num_host > 0
+    # stay on the device, less two places for each of the next burst's requests (kept free while
+    # the engine is idle, so its steps evict none, not even where the table fills: each round
+    # after the first two finds it full), and the rest went to the host tier, where they stay
+    # within its budget
+    assert [evicted for _, _, _, evicted in times["on"]] == [0] * 8
+    assert len(prefix) == prefix.max_entries - 2 * STREAMS and prefix.num_host > 0
     assert cached.caches.host_checkpoint_bytes <= cached.caches.host_cache_bytes
-    on = min(spent for _, spent, _ in times["on"][1:])  # the first round of each warms up
-    off = min(spent for _, spent, _ in times["off"][1:])
+    on = min(spent for _, spent, _, _ in times["on"][1:])  # the first round of each warms up
+    off = min(spent for _, spent, _, _ in times["off"][1:])
     assert on <= 1.10 * off, f"the steps took {on / off:.3f}x as long with the prefix cache"
     print(f"summed step time with the cache {on * 1e3:.0f} ms, without {off * 1e3:.0f} ms ({on / off:.3f}x)")
