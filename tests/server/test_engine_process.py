@@ -102,7 +102,8 @@ def test_the_engine_process_gives_the_tokens_of_the_engine_thread_and_its_figure
 def test_the_checkpoint_gauge_comes_back_within_its_number_once_the_answers_are_in(tiny, tmp_path):
     """Two checkpoints at most: three answers in a row leave one beyond them (an answer's is
     evicted only after the step that follows it, or while the engine is idle), and /stats shows
-    the table back within its size without any further request."""
+    the table back within its size without any further request (the newest kept; while idle the
+    engine may move one more to host memory, keeping half the table free for the next burst)."""
     server = serve(tiny, tmp_path, "--prefix-checkpoints", "2")
     try:
         for i in range(3):
@@ -113,7 +114,7 @@ def test_the_checkpoint_gauge_comes_back_within_its_number_once_the_answers_are_
             if cache["checkpoints"] <= 2:
                 break
             time.sleep(0.05)
-        assert cache["checkpoints"] == 2
+        assert 1 <= cache["checkpoints"] <= 2
     finally:
         server.stop()
 
