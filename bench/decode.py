@@ -163,12 +163,14 @@ def streamed_weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
     # a fused projection's parts are views of its tensors (``fused_linear.fuse_linears``,
     # ``linear.fuse_methods``): each storage counts once, whole
-    storages: dict[int, tuple[int, bool]] = {}
+    size, expert = {}, set()
     for i, t in tensors.items():
         s = t.untyped_storage()
-        storages[s.data_ptr()] = (s.nbytes(), i in experts or storages.get(s.data_ptr(), (0, False))[1])
-    other = sum(n for n, e in storages.values() if not e)
-    held = sum(n for n, e in storages.values() if e)
+        size[s.data_ptr()] = s.nbytes()
+        if i in experts:
+            expert.add(s.data_ptr())
+    held = sum(size[p] for p in expert)
+    other = sum(size.values()) - held
     share = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts if held else 0.0
     return other + int(held * share)
 

@@ -75,24 +75,50 @@ def random_checkpoint(shape: str | dict, path: Path, vocab_size: int | None = No
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(SHAPES[shape.lower()] if isinstance(shape, str) else shape)
-    if vocab_size is not None:
-        cfg["vocab_size"] = vocab_size
-    made = path / "random_shape.json"  # the config it was written from (transformers rewrites some keys)
-    if made.exists() and json.loads(made.read_text()) == cfg:
+    cfg = _shape_dict(shape, vocab_size)
+    if _written_from(path, cfg):
         return path
     config = AutoConfig.for_model(**cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = _partial(path)
     model.save_pretrained(partial)
-    (partial / made.name).write_text(json.dumps(cfg))
     del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+    return _finish(partial, path, cfg)
+
+
+MADE = "random_shape.json"  # what a random checkpoint was written from (transformers rewrites some keys)
+
+
+def _shape_dict(shape: str | dict, vocab_size: int | None) -> dict:
+    cfg = dict(SHAPES[shape.lower()] if isinstance(shape, str) else shape)
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    return cfg
+
+
+def _written_from(path: Path, record: dict) -> bool:
+    """Whether ``path`` holds a checkpoint written from ``record`` already."""
+    made = path / MADE
+    return made.exists() and json.loads(made.read_text()) == record
+
+
+def _partial(path: Path) -> Path:
+    """The empty folder beside ``path`` a checkpoint is written into first."""
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _finish(partial: Path, path: Path, record: dict) -> Path:
+    """``partial``, written whole, becomes ``path`` (an interrupted write never leaves a
+    checkpoint that looks whole there), marked as written from ``record``."""
+    (partial / MADE).write_text(json.dumps(record))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(partial, path)
     return path
@@ -109,27 +135,23 @@ def random_gptq_checkpoint(shape: str | dict, path: Path, vocab_size: int | None
     """A checkpoint at ``shape`` as gptqmodel saves a 4-bit one (symmetric, groups of ``group``,
     the classic format): random packed integers in every projection of ``GPTQ_MODULES``, small
     random bf16 values in the other matrices, zeros in the vectors (the zero-centred norms then
-    scale by one; the Gated DeltaNet's output norm, which is not, ones). Written tensor by tensor in shards, with no model built: the 27B's is 15 GB
-    where the bf16 one is 54 GB. The tensor names and shapes are those transformers saves at
+    scale by one; the Gated DeltaNet's output norm, which is not, ones). Written tensor by
+    tensor in shards, with no model built: the 27B's is 15 GB where the bf16 one is 54 GB. The tensor names and shapes are those transformers saves at
     that config (``random_checkpoint``); reused, and written beside ``path`` first, as there."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(SHAPES[shape.lower()] if isinstance(shape, str) else shape)
-    if vocab_size is not None:
-        cfg["vocab_size"] = vocab_size
-    made = path / "random_shape.json"
+    cfg = _shape_dict(shape, vocab_size)
     record = {"config": cfg, "weights": "gptq", "group": group}
-    if made.exists() and json.loads(made.read_text()) == record:
+    if _written_from(path, record):
         return path
     config = AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     names = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
     del model
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = _partial(path)
     config.save_pretrained(partial)
     saved = json.loads((partial / "config.json").read_text())
     saved["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
@@ -174,8 +196,4 @@ def random_gptq_checkpoint(shape: str | dict, path: Path, vocab_size: int | None
     flush()
     (partial / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": nbytes[1]}, "weight_map": weight_map}, indent=2))
-    made_in = partial / made.name
-    made_in.write_text(json.dumps(record))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(partial, path)
-    return path
+    return _finish(partial, path, record)
