@@ -180,7 +180,7 @@ def test_experts_with_one_matrix_held_are_made_dense_again_for_the_kernels():
 def test_engine_serves_a_prompt_of_chunks_with_the_weights_held_quantized(tiny_qwen, weights, length):
     """A prompt long enough for the Gated DeltaNet's chunked form (whose output reaches
     ``out_proj`` strided) runs through the engine with every projection held quantized, and its
-    greedy tokens are those of the same weights run token by token without the engine."""
+    greedy tokens are those of the same weights run over the whole sequence without the engine."""
     from ninfer.engine.engine import LLMEngine
     from ninfer.engine.request import Request
     from ninfer.engine.sampling_params import SamplingParams
