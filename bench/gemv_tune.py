@@ -18,10 +18,10 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
-cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), and torch's tinygemm,
-against bf16 cuBLAS on the
-dense weight; TB/s
-counts the packed bytes, the scales and the offsets.
+cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), the split-K form
+(``int4_gemv_split_triton``), the word GEMV (``int4_gemv_words_triton``: ``--words-only`` times it
+alone) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
+bytes, the scales and the offsets.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_dot_triton,
-                                                    int4_gemv_split_triton, int4_gemv_triton)
+from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, WORDS_MAX_ROWS, int4_dequantize_triton,
+                                                    int4_gemv_dot_triton, int4_gemv_split_triton, int4_gemv_triton,
+                                                    int4_gemv_words_triton)
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -157,6 +158,9 @@ _DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
               for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
 _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
+_WORDS_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "X_SPLIT": xs, "SPLIT": sp}
+                for n, k, w, xs, sp in itertools.product((8, 16, 32, 64), (64, 128), (2, 4, 8), (True, False),
+                                                         (None, 1))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
@@ -188,8 +192,8 @@ def _sweep_tiles(gemv, tile_list: list[dict], label: str, x: torch.Tensor, packs
     return best
 
 
-def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128, split_only: bool = False
-              ) -> list[dict]:
+def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128, split_only: bool = False,
+              words_only: bool = False) -> list[dict]:
     """``int4_gemv_triton`` per tile choice (decode rows), the weight dequantized then cuBLAS (prompt
 rows) and torch's tinygemm, against bf16 cuBLAS, at
     ``[M, K] @ [N, K]^T``."""
@@ -224,14 +228,21 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             us = graph_time_us(dequantized, copies)
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
-        if m <= SPLIT_MAX_ROWS:  # the split-K form for decode and verify rows (int4_gemv_split_triton), its best tiles
+        if m <= SPLIT_MAX_ROWS and not words_only:  # the split-K form for decode and verify rows (int4_gemv_split_triton), its best tiles
             split = _sweep_tiles(int4_gemv_split_triton, _SPLIT_TILES, "split ", x, packs, group, copies, ref, bad)
             default_us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group), copies)
             if split is not None:
                 bad.append(f"split-K GEMV best {split[0]} {split[1]:.1f} us ({nbytes / 1e6 / split[1]:.2f} TB/s, "
                            f"{cublas / split[1]:.2f}x bf16); default tiles {default_us:.1f} us "
                            f"({nbytes / 1e6 / default_us:.2f} TB/s)")
-        if m <= 16 and not split_only:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
+        if m <= WORDS_MAX_ROWS:  # the GEMV over int32 words on the FMA units (int4_gemv_words_triton)
+            words = _sweep_tiles(int4_gemv_words_triton, _WORDS_TILES, "words ", x, packs, group, copies, ref, bad)
+            default_us = graph_time_us(lambda c: int4_gemv_words_triton(x, *packs[c], group), copies)
+            if words is not None:
+                bad.append(f"word GEMV best {words[0]} {words[1]:.1f} us ({nbytes / 1e6 / words[1]:.2f} TB/s, "
+                           f"{cublas / words[1]:.2f}x bf16); default tiles {default_us:.1f} us "
+                           f"({nbytes / 1e6 / default_us:.2f} TB/s)")
+        if m <= 16 and not (split_only or words_only):  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:
                 bad.append(f"tensor-core GEMV {_tile_name(dot[0])} {dot[1]:.1f} us ({nbytes / 1e6 / dot[1]:.2f} TB/s, "
@@ -260,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
-    p.add_argument("--split-only", action="store_true", help="--int4: only the split-K GEMV and tinygemm")
+    p.add_argument("--split-only", action="store_true", help="--int4: only the split-K GEMV, the word GEMV and tinygemm")
+    p.add_argument("--words-only", action="store_true", help="--int4: only the word GEMV and tinygemm")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -278,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k in projections(cfg):
         if args.norm and not any(part in NORMED for part in name.split(" = ")):
             continue
-        runs = tune_int4(n, k, rows, args.graph_mb, split_only=args.split_only) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
+        runs = tune_int4(n, k, rows, args.graph_mb, split_only=args.split_only,
+                                                       words_only=args.words_only) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
         for r in runs:
             mb, cu = r["mb"], r["cublas_us"]
             rule = "-" if args.norm else "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"

@@ -173,6 +173,31 @@ def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 
 @triton.jit
+def _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS, stride_ym, stride_ps,
+                  SPLIT: tl.constexpr):
+    """``acc`` ``[M_PAD, BLOCK_N]`` (this program's fp32 sums) into y: with one split written as it
+    is; else left in this split's plane of ``p``, and the last of the row block's programs to
+    arrive (an arrival counter per row block, put back to 0 after) adds every plane into y."""
+    pid = tl.program_id(0)
+    omask = mmask[:, None] & rmask[None, :]
+    out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    if SPLIT:
+        plane = p_ptr + m[:, None].to(tl.int64) * N + rows[None, :]
+        tl.store(plane + tl.program_id(1).to(tl.int64) * stride_ps, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial sums stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:  # the row block's last program: every split's sums are in
+            total = tl.zeros(acc.shape, tl.float32)
+            for sp in tl.range(0, SPLITS):
+                # .cg: read from L2, where the other programs' stores landed, never a stale L1 line
+                total += tl.load(plane + sp * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (next layer, graph replay)
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -227,22 +252,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
         if HAS_OFFSET:
             acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
-    omask = mmask[:, None] & rmask[None, :]
-    out = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
-    if SPLIT:
-        plane = p_ptr + m[:, None].to(tl.int64) * N + rows[None, :]
-        tl.store(plane + split.to(tl.int64) * stride_ps, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial sums stored before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:  # the row block's last program: every split's sums are in
-            total = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-            for sp in tl.range(0, SPLITS):
-                # .cg: read from L2, where the other programs' stores landed, never a stale L1 line
-                total += tl.load(plane + sp * stride_ps, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (next layer, graph replay)
-    else:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS, stride_ym, stride_ps, SPLIT)
 
 
 SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
@@ -310,6 +320,129 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
         num_warps=t["num_warps"])
+    return y
+
+
+@triton.jit
+def _nibble(q, c: tl.constexpr):
+    """Nibble ``c`` (bits ``4c .. 4c + 3``) of each int32 word as the fp32 ``1 + q / 16``, by its
+    bits alone: the nibble moved under the top four bits of the mantissa and the exponent of 1
+    or-ed in (a shift and one logic op a value; no conversion instruction, which runs at a
+    quarter of the FMA rate, and a bias of 1 that the fp32 sums carry without loss)."""
+    if 4 * c <= 19:
+        v = q << (19 - 4 * c)
+    else:
+        v = q >> (4 * c - 19)
+    return ((v & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_gemv_words_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
+                            stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                            X_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+    # A few rows against a 4-bit weight read as int32 words (8 columns a word, column 8i + c in
+    # bits 4c .. 4c + 3: ``pack_int4``'s bytes as they lie), on the FMA units: each word's
+    # nibbles become 1 + q / 16 by their bits (``_nibble``), their products with x summed over
+    # a chunk (BLOCK_K columns within one group) then scaled once a row:
+    # sum(x q) = 16 (sum(x (1 + q / 16)) - sum(x)), so y += s * sum(x q) + o * sum(x).
+    # K split over program_id(1) as ``_int4_gemv_split_kernel`` does (``_split_finish``).
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    W: tl.constexpr = BLOCK_K // 8
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    i = tl.arange(0, W)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    k_begin = split * STEPS * BLOCK_K
+    k_end = tl.minimum(K, k_begin + STEPS * BLOCK_K)
+    xrow = x_ptr + m[:, None].to(tl.int64) * stride_xm
+    for k0 in tl.range(k_begin, k_end, BLOCK_K):
+        q = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 8 + i)[None, :])
+        t = tl.zeros([M_PAD, BLOCK_N, W], tl.float32)
+        xs = tl.zeros([M_PAD], tl.float32)
+        if X_SPLIT:  # x's chunk as one [M_PAD, W, 8] load, its eight columns split out
+            c8 = tl.arange(0, 8)
+            x8 = tl.load(xrow[:, :, None] + (k0 + 8 * i)[None, :, None] + c8[None, None, :],
+                         mask=mmask[:, None, None], other=0.0).to(tl.float32)
+            xs = tl.sum(tl.sum(x8, 2), 1)
+            e, o = tl.split(tl.reshape(x8, (M_PAD, W, 4, 2)))  # columns 0 2 4 6 | 1 3 5 7
+            e0, e1 = tl.split(tl.reshape(e, (M_PAD, W, 2, 2)))  # 0 4 | 2 6
+            o0, o1 = tl.split(tl.reshape(o, (M_PAD, W, 2, 2)))  # 1 5 | 3 7
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+            t += _nibble(q, 0)[None, :, :] * x0[:, None, :]
+            t += _nibble(q, 1)[None, :, :] * x1[:, None, :]
+            t += _nibble(q, 2)[None, :, :] * x2[:, None, :]
+            t += _nibble(q, 3)[None, :, :] * x3[:, None, :]
+            t += _nibble(q, 4)[None, :, :] * x4[:, None, :]
+            t += _nibble(q, 5)[None, :, :] * x5[:, None, :]
+            t += _nibble(q, 6)[None, :, :] * x6[:, None, :]
+            t += _nibble(q, 7)[None, :, :] * x7[:, None, :]
+        else:  # each column's values loaded on their own (8 apart)
+            for c in tl.static_range(8):
+                xc = tl.load(xrow + (k0 + 8 * i + c)[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+                xs += tl.sum(xc, 1)
+                t += _nibble(q, c)[None, :, :] * xc[:, None, :]
+        sg = rows_in * stride_sn + k0 // G
+        sc = tl.load(s_ptr + sg).to(tl.float32)
+        acc += (tl.sum(t, 2) - xs[:, None]) * (16.0 * sc)[None, :]
+        if HAS_OFFSET:
+            acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
+    _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS, stride_ym, stride_ps, SPLIT)
+
+
+WORDS_TILES = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "X_SPLIT": True}
+WORDS_MAX_ROWS = 8  # input rows the word GEMV takes (its sums a [rows, BLOCK_N, BLOCK_K / 8] tile each chunk)
+
+
+def words_take(group: int, k: int) -> bool:
+    """Whether the word GEMV takes a 4-bit weight of ``k`` columns in groups of ``group``: its
+    chunks (a power of two from 8 columns dividing the group) must divide K into whole words."""
+    return group >= 8 and (group & -group) >= 8 and k % 8 == 0
+
+
+def int4_gemv_words_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                           group: int, tiles: dict | None = None) -> torch.Tensor:
+    """``int4_gemv_triton`` for up to ``WORDS_MAX_ROWS`` rows of ``x`` (any float dtype) against a
+    4-bit ``packed`` ``[N, K / 2]`` (``pack_int4``) read as int32 words, on the FMA units with K
+    split over programs (tiles: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``X_SPLIT`` and ``SPLIT``,
+    by default ``split_count``)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or not words_take(group, k) or m > WORDS_MAX_ROWS \
+            or k % group or tuple(scale.shape) != (n, k // group):
+        raise ValueError(f"int4 gemv (words): x {tuple(x.shape)}, packed {tuple(packed.shape)} {packed.dtype}, "
+                         f"scales {tuple(scale.shape)} in groups of {group} do not fit")
+    if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
+            offset is not None and not offset.is_contiguous() or packed.storage_offset() % 4:
+        raise ValueError("int4 gemv (words): x needs a contiguous last dim, packed (on a 4-byte boundary), "
+                         "scales and offsets must be contiguous")
+    t = dict(WORDS_TILES, **(tiles or {}))
+    block_k = min(t["BLOCK_K"], group & -group)
+    steps_all = k // block_k
+    split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
+    steps = triton.cdiv(steps_all, min(split, steps_all))
+    split = triton.cdiv(steps_all, steps)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    blocks = triton.cdiv(n, t["BLOCK_N"])
+    counts = _arrival_counts(x.device, blocks) if split > 1 else None
+    if split > 1 and counts is None:  # no counters yet, inside a capture: one split
+        split, steps = 1, steps_all
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    words = packed.view(torch.int32)
+    _int4_gemv_words_kernel[(blocks, split)](
+        x, words, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
+        m, n, k, steps, split, x.stride(0), words.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
+        G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
+        HAS_OFFSET=offset is not None, X_SPLIT=t["X_SPLIT"], SPLIT=split > 1, num_warps=t["num_warps"])
     return y
 
 

@@ -339,6 +339,22 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "X_SPLIT": True, "SPLIT": 3}),  # 8 chunks, 3 splits
+    (3, 16, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2, "X_SPLIT": False, "SPLIT": 1}),  # y written whole
+    (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 chunks a group
+    (8, 24, 512, 64, None),  # the split the multiprocessors ask for
+    (1, 8, 96, 96, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 1, "X_SPLIT": True}),  # chunks of 32 (96's power of two)
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_gemv_over_words(m, n, k, group, tiles, with_offset, dtype):
+    """Decode rows against a 4-bit weight read as int32 words: each nibble made ``1 + q / 16`` by
+    its bits, the chunk's sums scaled once a row, K split over programs."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-5 if dtype == torch.float32 else 1e-2,
+                    kernel="words")
+
+
+@pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
 ])
@@ -386,11 +402,13 @@ def test_int8_dequantize_groups_of_16(n, k, with_offset):
     check_int4_gemv("cpu", torch.float32, 1, n, k, 16, with_offset, None, 1e-6, kernel="dequantize", bits=8)
 
 
-@pytest.mark.parametrize("rows", [3, 40])  # decode rows: the GEMV; prompt rows: dequantized blocks, then a GEMM
-def test_int4_triton_method_fused_projections(rows, monkeypatch):
+@pytest.mark.parametrize("rows, words", [(3, 0), (3, 4), (40, 0)])  # decode rows: a GEMV (the split one, or the
+# word GEMV from ``int4_words_rows``); prompt rows: dequantized blocks, then a GEMM
+def test_int4_triton_method_fused_projections(rows, words, monkeypatch):
     """Three projections of one input held 4-bit for the Triton kernels, fused into one method
     as the model fuses q/k/v: the fused product and each part's equal the dequantized weights'."""
-    from ninfer.engine.layers import linear
+    from ninfer.engine import launch
+    from ninfer.engine.layers import linear, quant_gemv_triton
     from ninfer.engine.layers.linear import GroupQuantized, Linear, fuse_methods
 
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 256)  # several row blocks per product
@@ -409,9 +427,15 @@ def test_int4_triton_method_fused_projections(rows, monkeypatch):
     fused = fuse_methods([p.method for p in parts])
     x = torch.randn(rows, 256)
     want = x @ torch.cat(dense).T
-    assert rel_err(fused(x), want) < 1e-5
-    for lin, w in zip(parts, dense):
-        assert rel_err(lin(x), x @ w.T) < 1e-5
+    words_runs = []
+    real_words = quant_gemv_triton.int4_gemv_words_triton
+    monkeypatch.setattr(quant_gemv_triton, "int4_gemv_words_triton",
+                        lambda *a, **k: words_runs.append(1) or real_words(*a, **k))
+    with launch.using(int4_words_rows=words):
+        assert rel_err(fused(x), want) < 1e-5
+        for lin, w in zip(parts, dense):
+            assert rel_err(lin(x), x @ w.T) < 1e-5
+    assert len(words_runs) == (4 if words else 0)  # the fused product and each part's
 
 
 @pytest.mark.parametrize("rows", [3, 40])

@@ -413,11 +413,13 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
-    cores, or "split": that form for a few rows with K split over programs) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
+    cores, "split": that form for a few rows with K split over programs, or "words": the weight
+    read as int32 words on the FMA units) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
     the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
     from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
-                                                        int4_gemv_split_triton, int4_gemv_triton, pack_int4)
+                                                        int4_gemv_split_triton, int4_gemv_triton,
+                                                        int4_gemv_words_triton, pack_int4)
 
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -437,7 +439,8 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
-    gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
+    gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton,
+            "words": int4_gemv_words_triton}.get(kernel, int4_gemv_triton)
     out = gemv(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
