@@ -305,8 +305,11 @@ class LLMEngine:
         # checkpoints that finished requests left beyond the table's size go now, while the
         # device runs the step: their copies to host cost no step any wait (a device that runs
         # steps as they are launched, a CPU, leaves them to be taken when wanted or when idle)
-        if self.overlap:
-            self.caches.trim()
+        # a decode step (no prompt arriving) frees one more place of the table ahead of the next
+        # burst, as the idle engine does a few at a time: a burst that follows a busy one finds
+        # room for its prompts' checkpoints instead of moving others to host memory in its steps
+        if self.overlap and not self.caches.trim() and launched.decode:
+            self.caches.trim(ahead=True, most=1)
         tokens = launched.read()
         logprobs = launched.read_logprobs(tokens)
         outputs += self._progress(launched.plan, launched.ready)

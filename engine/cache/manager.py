@@ -215,17 +215,18 @@ class CacheManager:
     # short turns, between which it takes the requests that have arrived
     AHEAD_EVICTIONS = 4
 
-    def trim(self, ahead: bool = False) -> int:
+    def trim(self, ahead: bool = False, most: int | None = None) -> int:
         """Evict the device checkpoints beyond their number (``PrefixCache.trim``); with
-        ``ahead`` (the engine is idle) a few more, until ``ahead_slots`` of the table are free,
-        as long as each moves to host memory at once (none dropped ahead of need, no wait for
-        a copy in flight): a burst of new prompts then keeps its checkpoints without evicting
-        any in its steps. How many went."""
+        ``ahead`` (the engine is idle, or runs a decode step) a few more (``most``, by default
+        ``AHEAD_EVICTIONS``), until ``ahead_slots`` of the table are free, as long as each moves
+        to host memory at once (none dropped ahead of need, no wait for a copy in flight): a
+        burst of new prompts then keeps its checkpoints without evicting any in its steps. How
+        many went."""
         if self.prefix is None:
             return 0
         if not ahead:
             return self.prefix.trim()
-        return self.prefix.trim(self.ahead_slots, self.AHEAD_EVICTIONS, keep=True)
+        return self.prefix.trim(self.ahead_slots, self.AHEAD_EVICTIONS if most is None else most, keep=True)
 
     def drop(self, entry: Checkpoint | None) -> None:
         """Give up a checkpoint that is no longer wanted (a progress anchor superseded)."""

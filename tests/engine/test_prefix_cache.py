@@ -102,9 +102,9 @@ def test_checkpoints_give_way_when_room_is_needed(parts):
 
 def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts):
     """Where a request's answer ends its state slot becomes the checkpoint's as it is (nothing
-    copied, no slot taken); the table, one over its size then, is back within it once the next
-    step has been launched (an engine that launches ahead of the device, as on a GPU), and the
-    next turn goes on from the answer with the same tokens."""
+    copied, no slot taken); the table stays within its size (its decode steps moved one to host
+    memory ahead of the answer: an engine that launches ahead of the device, as on a GPU), and
+    the next turn goes on from the answer with the same tokens."""
     eng, fresh = engine(parts, prefix_checkpoints=2, overlap=True), engine(parts, prefix_cache=False)
     prefix, states = eng.caches.prefix, eng.caches.states
     ids = [5 + i % 80 for i in range(37)]
@@ -123,7 +123,7 @@ def test_a_finished_request_gives_its_state_slot_to_its_answer_checkpoint(parts)
         if first.cache is not None:
             slots.append(first.cache.slot)
         got += [t for o in eng.step() for t in o.token_ids or []]
-    assert len(prefix) == 3 and prefix.over == 1  # the answer's checkpoint came beyond the two
+    assert len(prefix) == 2 and prefix.over == 0 and prefix.num_host == 2  # the answer's in the place made
     answer = prefix.longest(ids + got[:-1] + [1])
     assert answer is not None and answer.length == len(ids) + len(got) - 1
     if states is not None:
@@ -165,6 +165,34 @@ def test_an_idle_engine_keeps_room_for_the_next_burst_of_prompts(parts):
     assert len(prefix) == 4 and prefix.num_host == 8 and eng.caches.idle()
     again = run(eng, [req("again", new[0].prompt_ids + [1, 2], 4)])["again"]
     assert again[1] == len(new[0].prompt_ids)  # the burst's checkpoints are there to go on from
+
+
+def test_decode_steps_free_the_table_ahead_of_the_next_burst(parts):
+    """An engine that is never idle (a GPU's, launching steps ahead): its decode steps move the
+    least recently used checkpoints to host memory, one a step, until four places of the eight
+    are free (two per concurrent request), so a burst of new prompts that follows at once keeps
+    its checkpoints without any evicted in its steps."""
+    eng = engine(parts, prefix_checkpoints=8, max_concurrency=2, overlap=True)
+    prefix = eng.caches.prefix
+
+    def busy(requests):  # to the end, no idle work between them
+        for r in requests:
+            eng.add_request(r)
+        while eng.has_work:
+            before = (len(prefix), prefix.num_host)
+            eng.step()
+            moved = prefix.num_host - before[1]
+            assert moved <= 1 or len(prefix) <= prefix.max_entries, "more than one moved ahead in a step"
+
+    for i in range(8):  # one token each: one checkpoint (prompt and answer end together), no decode step
+        busy([req(f"old{i}", [3 + (5 * i + j) % 70 for j in range(20 + i)], 1)])
+    assert len(prefix) == 8 and prefix.num_host == 0
+    busy([req("long", [5 + (3 * j) % 50 for j in range(30)], 12)])  # its decode steps free four places
+    assert len(prefix) == 5 and prefix.num_host == 5 and prefix.over == 0  # then its answer came in
+    kept = {id(e) for e in prefix.entries}
+    evicted = prefix.num_host
+    busy([req(f"new{i}", [4 + (7 * i + j) % 60 for j in range(25 + i)], 1) for i in range(2)])
+    assert kept <= {id(e) for e in prefix.entries} and prefix.num_host == evicted  # none evicted in the burst
 
 
 def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):
