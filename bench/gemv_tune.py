@@ -160,8 +160,9 @@ _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
 # (the bytes in flight decide a GEMV's rate: larger row blocks, or more splits, keep more loads
 # waiting a multiprocessor)
-_WORDS_TILES = [{"BLOCK_N": n, "BLOCK_K": 128, "num_warps": w, "X_SPLIT": xs, "SPLIT": sp}
-                for n, w, xs, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (True, False), (None, 1, 4, 16))]
+_WORDS_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "X_SPLIT": xs, "SPLIT": sp}
+                for n, k, w, xs, sp in itertools.product((16, 32, 64), (128, 512), (4, 8), (True, False),
+                                                         (None, 1, 4, 16))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):

@@ -344,12 +344,14 @@ def _int4_gemv_words_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     # A few rows against a 4-bit weight read as int32 words (8 columns a word, column 8i + c in
     # bits 4c .. 4c + 3: ``pack_int4``'s bytes as they lie), on the FMA units: each word's
     # nibbles become 1 + q / 16 by their bits (``_nibble``), their products with x summed over
-    # a chunk (BLOCK_K columns within one group) then scaled once a row:
-    # sum(x q) = 16 (sum(x (1 + q / 16)) - sum(x)), so y += s * sum(x q) + o * sum(x).
-    # K split over program_id(1) as ``_int4_gemv_split_kernel`` does (``_split_finish``).
+    # each group's part of a chunk (BLOCK_K columns: part of one group, or GROUPS whole ones),
+    # then scaled once a row: sum(x q) = 16 (sum(x (1 + q / 16)) - sum(x)), so
+    # y += s * sum(x q) + o * sum(x). K split over program_id(1) as ``_int4_gemv_split_kernel``
+    # does (``_split_finish``).
     pid = tl.program_id(0)
     split = tl.program_id(1)
     W: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
@@ -363,12 +365,11 @@ def _int4_gemv_words_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
         q = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 8 + i)[None, :])
         t = tl.zeros([M_PAD, BLOCK_N, W], tl.float32)
-        xs = tl.zeros([M_PAD], tl.float32)
         if X_SPLIT:  # x's chunk as one [M_PAD, W, 8] load, its eight columns split out
             c8 = tl.arange(0, 8)
             x8 = tl.load(xrow[:, :, None] + (k0 + 8 * i)[None, :, None] + c8[None, None, :],
                          mask=mmask[:, None, None], other=0.0).to(tl.float32)
-            xs = tl.sum(tl.sum(x8, 2), 1)
+            xw = tl.sum(x8, 2)  # each word's columns of x, summed
             e, o = tl.split(tl.reshape(x8, (M_PAD, W, 4, 2)))  # columns 0 2 4 6 | 1 3 5 7
             e0, e1 = tl.split(tl.reshape(e, (M_PAD, W, 2, 2)))  # 0 4 | 2 6
             o0, o1 = tl.split(tl.reshape(o, (M_PAD, W, 2, 2)))  # 1 5 | 3 7
@@ -385,15 +386,26 @@ def _int4_gemv_words_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             t += _nibble(q, 6)[None, :, :] * x6[:, None, :]
             t += _nibble(q, 7)[None, :, :] * x7[:, None, :]
         else:  # each column's values loaded on their own (8 apart)
+            xw = tl.zeros([M_PAD, W], tl.float32)
             for c in tl.static_range(8):
                 xc = tl.load(xrow + (k0 + 8 * i + c)[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-                xs += tl.sum(xc, 1)
+                xw += xc
                 t += _nibble(q, c)[None, :, :] * xc[:, None, :]
-        sg = rows_in * stride_sn + k0 // G
-        sc = tl.load(s_ptr + sg).to(tl.float32)
-        acc += (tl.sum(t, 2) - xs[:, None]) * (16.0 * sc)[None, :]
-        if HAS_OFFSET:
-            acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
+        if GROUPS == 1:
+            xs = tl.sum(xw, 1)
+            sg = rows_in * stride_sn + k0 // G
+            sc = tl.load(s_ptr + sg).to(tl.float32)
+            acc += (tl.sum(t, 2) - xs[:, None]) * (16.0 * sc)[None, :]
+            if HAS_OFFSET:
+                acc += xs[:, None] * tl.load(o_ptr + sg).to(tl.float32)[None, :]
+        else:  # the chunk's groups apart: [M_PAD, BLOCK_N, GROUPS] sums, [BLOCK_N, GROUPS] scales
+            r = tl.sum(tl.reshape(t, (M_PAD, BLOCK_N, GROUPS, W // GROUPS)), 3)
+            xs = tl.sum(tl.reshape(xw, (M_PAD, GROUPS, W // GROUPS)), 2)
+            sg = rows_in[:, None] * stride_sn + (k0 // G + tl.arange(0, GROUPS))[None, :]
+            sc = tl.load(s_ptr + sg).to(tl.float32)
+            acc += tl.sum((r - xs[:, None, :]) * (16.0 * sc)[None, :, :], 2)
+            if HAS_OFFSET:
+                acc += tl.sum(xs[:, None, :] * tl.load(o_ptr + sg).to(tl.float32)[None, :, :], 2)
     _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS, stride_ym, stride_ps, SPLIT)
 
 
@@ -405,6 +417,15 @@ def words_take(group: int, k: int) -> bool:
     """Whether the word GEMV takes a 4-bit weight of ``k`` columns in groups of ``group``: its
     chunks (a power of two from 8 columns dividing the group) must divide K into whole words."""
     return group >= 8 and (group & -group) >= 8 and k % 8 == 0
+
+
+def words_chunk(block_k: int, group: int, k: int) -> int:
+    """The columns a chunk of the word GEMV takes: ``block_k`` where it is a power-of-two multiple
+    of the group dividing K (several whole groups), else the largest power of two up to it that
+    divides the group (part of one)."""
+    if block_k > group and block_k % group == 0 and k % block_k == 0 and not (block_k // group) & (block_k // group - 1):
+        return block_k
+    return min(block_k, group & -group)
 
 
 def int4_gemv_words_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
@@ -424,7 +445,7 @@ def int4_gemv_words_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         raise ValueError("int4 gemv (words): x needs a contiguous last dim, packed (on a 4-byte boundary), "
                          "scales and offsets must be contiguous")
     t = dict(WORDS_TILES, **(tiles or {}))
-    block_k = min(t["BLOCK_K"], group & -group)
+    block_k = words_chunk(t["BLOCK_K"], group, k)
     steps_all = k // block_k
     split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
     steps = triton.cdiv(steps_all, min(split, steps_all))

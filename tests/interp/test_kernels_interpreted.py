@@ -344,6 +344,9 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
     (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 chunks a group
     (8, 24, 512, 64, None),  # the split the multiprocessors ask for
     (1, 8, 96, 96, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 1, "X_SPLIT": True}),  # chunks of 32 (96's power of two)
+    (2, 24, 512, 64, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 groups a chunk
+    (4, 16, 1024, 128, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "X_SPLIT": False}),  # 4 groups, one split
+    (1, 16, 384, 128, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "X_SPLIT": True}),  # 256 does not divide K: 128
 ])
 @pytest.mark.parametrize("with_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
