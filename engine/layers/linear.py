@@ -198,7 +198,17 @@ GEMV_MAX_ROWS = 16  # input rows the scalar GEMV takes (a weight the split GEMV,
 # byte read at 4 bits); more rows (prompt chunks) dequantize into a buffer for cuBLAS
 DOT_MAX_ROWS = 64
 DEQUANT_BLOCK_ELEMENTS = 1 << 25  # weight elements dequantized at once (64 MiB in bf16)
+DEQUANT_BLOCK_ROWS = 128  # ... in blocks of a multiple of this many weight rows
 _dequant_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dequant_block_rows(out_features: int, in_features: int) -> int:
+    """Weight rows dequantized at once for prompt rows: about ``DEQUANT_BLOCK_ELEMENTS``, a multiple
+    of ``DEQUANT_BLOCK_ROWS`` (or the whole weight). Each block's product is a column block of the
+    output, and cuBLAS takes an output whose rows are not 16-byte aligned (a block of 6,553 rows)
+    only with its slowest kernels (align1: the 27B's 16K prompt ran at a fifth of its rate)."""
+    rows = DEQUANT_BLOCK_ELEMENTS // in_features // DEQUANT_BLOCK_ROWS * DEQUANT_BLOCK_ROWS
+    return min(out_features, max(rows, DEQUANT_BLOCK_ROWS))
 
 
 def _dequant_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -260,7 +270,7 @@ class TritonGroupMethod(LinearMethod):
 
             return int4_gemv_dot_triton(x2, self.packed, self.scale, self.offset, self.group).view(
                 *lead, self.out_features)
-        rows = max(1, min(self.out_features, DEQUANT_BLOCK_ELEMENTS // self.in_features))
+        rows = dequant_block_rows(self.out_features, self.in_features)
         buf = _dequant_buffer(x.device, x.dtype, rows * self.in_features)
         blocks = []
         for r0 in range(0, self.out_features, rows):

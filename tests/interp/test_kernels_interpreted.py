@@ -415,6 +415,7 @@ def test_int4_triton_method_fused_projections(rows, words, monkeypatch):
     from ninfer.engine.layers.linear import GroupQuantized, Linear, fuse_methods
 
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 256)  # several row blocks per product
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ROWS", 16)  # (of 16 rows: 48 = 3 x 16)
     torch.manual_seed(0)
     parts, dense = [], []
     for out, offset in [(48, True), (16, True), (24, True)]:
@@ -453,6 +454,7 @@ def test_k_quant_weights_through_the_triton_method(rows, monkeypatch):
     from support.k_quants import random_blocks
 
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 512)  # several row blocks per product
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ROWS", 16)
     for qtype in (Q.Q6_K, Q.Q5_K):
         w = _SUPER_BLOCK_READERS[qtype](random_blocks(qtype, 48, 512, seed=7), 48, 512)
         method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))

@@ -198,3 +198,16 @@ def test_engine_serves_a_prompt_of_chunks_with_the_weights_held_quantized(tiny_q
     for _ in range(3):
         want.append(int(logits(quant, ids + want)[-1].argmax()))
     assert got == want
+
+
+def test_prompt_rows_dequantize_blocks_of_aligned_rows():
+    """A prompt's product with a 4-bit weight on the GPU dequantizes blocks of weight rows, each
+    a column block of the output: every block but a weight's last is a multiple of 128 rows, so
+    each one's output columns start 16-byte aligned (cuBLAS runs a misaligned output only with
+    its slowest kernels), at the 27B's projections as at a small one."""
+    from ninfer.engine.layers.linear import DEQUANT_BLOCK_ROWS, dequant_block_rows
+
+    for n, k in [(34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120), (248320, 5120), (96, 64)]:
+        rows = dequant_block_rows(n, k)
+        assert rows == n or rows % DEQUANT_BLOCK_ROWS == 0, (n, k, rows)
+        assert rows * k <= max(1 << 25, DEQUANT_BLOCK_ROWS * k)  # about 64 MiB of bf16 at once
