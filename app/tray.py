@@ -69,6 +69,7 @@ class TrayApp:
         self.on_change: Callable[[], None] = lambda: None
         self.quit_requested = False
         self.supervisor: Supervisor | None = None
+        self._lifecycle = threading.Lock()  # a start and a quit one after the other, never interleaved
         self._sup_options = supervisor_options or {}
         self.command_for: Callable[[Resolved], list[str]] = lambda r: r.command  # tests run a stand-in
 
@@ -78,19 +79,23 @@ class TrayApp:
         return resolve(opts, settings, self.probe)
 
     def start(self) -> None:
-        try:
-            self.resolved = self._resolve(self.settings)
-        except (DoesNotFit, FileNotFoundError, ValueError) as exc:
-            self.error = str(exc)
-            self.opener.notify(self.error)
-            self.on_change()
-            return
-        self.supervisor = Supervisor(
-            SupervisorConfig(command=self.command_for(self.resolved),
-                             health_url=self.resolved.base_url + "/health", log_dir=log_dir(),
-                             pid_file=data_dir() / SERVER_PID, env=child_env(), **self._sup_options),
-            on_change=lambda status: self.on_change())
-        self.supervisor.start()
+        """Plan the settings and start the server under a supervisor (nothing once quit)."""
+        with self._lifecycle:
+            if self.quit_requested:
+                return
+            try:
+                self.resolved = self._resolve(self.settings)
+            except (DoesNotFit, FileNotFoundError, ValueError) as exc:
+                self.error = str(exc)
+                self.opener.notify(self.error)
+                self.on_change()
+                return
+            self.supervisor = Supervisor(
+                SupervisorConfig(command=self.command_for(self.resolved),
+                                 health_url=self.resolved.base_url + "/health", log_dir=log_dir(),
+                                 pid_file=data_dir() / SERVER_PID, env=child_env(), **self._sup_options),
+                on_change=lambda status: self.on_change())
+            self.supervisor.start()
 
     def apply(self, **changes) -> bool:
         """Plan the new settings; restart with them when they fit, keep the old ones when not."""
@@ -152,8 +157,9 @@ class TrayApp:
 
     def quit(self) -> None:
         self.quit_requested = True
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        with self._lifecycle:  # a start under way finishes first, then its server is stopped
+            if self.supervisor is not None:
+                self.supervisor.stop()
 
     # ------------------------------------------------------------------ the menu
     def _fits(self, **want) -> int | None:
@@ -242,6 +248,58 @@ def to_pystray(pystray, entries: list[Entry], run: Callable[[Entry], None]):
     return pystray.Menu(*items)
 
 
+class _OwnDisplay:
+    """One thread's own X connection, closed as the thread ends (its threading.local slot goes)."""
+
+    def __init__(self, name: str) -> None:
+        import Xlib.display
+
+        self.display = Xlib.display.Display(name)
+        self.thread = threading.get_ident()
+
+    def __del__(self) -> None:
+        # on its own thread only: dropped on another (at exit, with its daemon thread frozen mid-call
+        # and holding the connection's locks) a round trip would wait forever; the socket goes anyway
+        if threading.get_ident() != self.thread:
+            return
+        try:  # a round trip first: a connection that closes can lose what the server had not read yet
+            self.display.sync()
+            self.display.close()
+        except Exception:  # the server may be gone already
+            pass
+
+
+class LoopOnlyDisplay:
+    """Stands in for pystray's X connection (``icon._display``) so that only its event loop uses it.
+
+    pystray's X backend runs ``icon.icon = ...``, ``icon.title = ...``, ``icon.visible = ...`` in its
+    loop: from another thread it sends the loop a ClientMessage and flushes, on the loop's connection.
+    python-xlib (0.33) does not survive that: a thread that flushes while the loop waits for a reply
+    (``get_geometry`` as it redraws) sends the loop's request too, sees the reply arrive and returns
+    without waking the loop, which then sleeps forever (a dead icon; Xlib.threaded does not help).
+    So the loop's thread gets the real connection and any other thread one of its own, opened when
+    it first sends: X window ids are the server's, so the message still reaches the icon's window,
+    and the loop answers through pystray's queue as before. The loop's thread is pystray's own
+    record of it (``icon._thread``, which ``run`` sets first), the one its dispatcher tests."""
+
+    def __init__(self, icon) -> None:
+        self._icon = icon
+        self._real = icon._display  # noqa: SLF001
+        self._own = threading.local()
+
+    def _display(self):
+        loop = getattr(self._icon, "_thread", None)
+        if loop is not None and loop.ident == threading.get_ident():
+            return self._real
+        own = getattr(self._own, "conn", None)
+        if own is None:
+            own = self._own.conn = _OwnDisplay(self._real.get_display_name())
+        return own.display
+
+    def __getattr__(self, name: str):
+        return getattr(self._display(), name)
+
+
 class TrayIcon:
     """The pystray icon: the real menu where the backend has one, a popup menu where it has not."""
 
@@ -261,6 +319,8 @@ class TrayIcon:
             self.icon._window.change_attributes(  # noqa: SLF001
                 event_mask=Xlib.X.ExposureMask | Xlib.X.StructureNotifyMask | Xlib.X.ButtonPressMask)
             self.icon._display.flush()  # noqa: SLF001
+        if not self.has_menu and hasattr(self.icon, "_display"):
+            self.icon._display = LoopOnlyDisplay(self.icon)  # noqa: SLF001
         self._stale = threading.Event()
         threading.Thread(target=self._refresh_loop, name="ninfer-tray-refresh", daemon=True).start()
         app.on_change = self.refresh
@@ -322,5 +382,10 @@ class TrayIcon:
         if not self.has_menu and hasattr(self.icon, "_window"):
             # pystray's X backend records its loop's thread only after it has released the setup
             # thread, whose first call (showing the icon) reads it: set it first, as the loop will
+            # (LoopOnlyDisplay reads it too: from here on only this thread uses the icon's connection)
             self.icon._thread = threading.current_thread()  # noqa: SLF001
-        self.icon.run(setup=lambda icon: (setattr(icon, "visible", True), self.app.start(), self.refresh()))
+        # the server starts on a thread of its own, not in pystray's set-up after the icon is
+        # shown: a desktop slow to dock the icon (or one with no tray at all) never holds it back
+        threading.Thread(target=lambda: (self.app.start(), self.refresh()), name="ninfer-tray-start",
+                         daemon=True).start()
+        self.icon.run(setup=lambda icon: (setattr(icon, "visible", True), self.refresh()))

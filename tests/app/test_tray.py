@@ -95,9 +95,12 @@ def healthy(url: str) -> bool:
 
 
 def startup_report(tray: subprocess.Popen, state: Path, app_home: Path) -> str:
-    """What the tray printed, how often it started the stand-in server and the server log: why
-    the server never answered (the tray is killed to read its output; the test's cleanup stops
-    the server it may have left)."""
+    """What the tray printed (with its threads' stacks, dumped on SIGUSR1), how often it started
+    the stand-in server and the server log: why the server never answered (the tray is killed to
+    read its output; the test's cleanup stops the server it may have left)."""
+    if tray.poll() is None:
+        tray.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
     tray.kill()
     output = tray.communicate(timeout=10)[0]
     starts = state / "fake" / "starts"
@@ -106,6 +109,46 @@ def startup_report(tray: subprocess.Popen, state: Path, app_home: Path) -> str:
     pid_files = [f"{p.name}: {p.read_text().strip()}" for p in app_home.rglob(SERVER_PID)] or ["no server pid file"]
     return (f"tray exit {tray.returncode}, output:\n{output[-4000:]}\nstand-in server starts: "
             f"{starts.read_text() if starts.exists() else 0}; {'; '.join(pid_files)}\n{tails}")
+
+
+def test_only_the_loop_thread_uses_the_icons_connection(display):
+    """LoopOnlyDisplay: pystray's loop thread gets the icon's connection; another thread gets one of
+    its own, closed when it ends, and a ClientMessage sent on it still reaches the icon's window
+    (the thread ends right after sending: the close must not lose it)."""
+    import threading
+    import types
+
+    import Xlib.X
+    import Xlib.display
+    import Xlib.protocol.event
+
+    from ninfer.app.tray import LoopOnlyDisplay
+
+    real = Xlib.display.Display(display)
+    try:
+        screen = real.screen()
+        window = screen.root.create_window(0, 0, 1, 1, 0, screen.root_depth)
+        real.sync()  # the window exists before another connection names it (pystray syncs too)
+        icon = types.SimpleNamespace(_display=real, _thread=threading.current_thread())
+        proxy = LoopOnlyDisplay(icon)
+        assert proxy.flush == real.flush
+        seen = {}
+
+        def other() -> None:  # as pystray's dispatcher does from a thread other than the loop's
+            seen["own"] = proxy._display()
+            proxy.send_event(window, Xlib.protocol.event.ClientMessage(
+                window=window.id, client_type=Xlib.X.NONE, data=(32, (7, 0, 0, 0, 0))), event_mask=0)
+            proxy.flush()
+
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join(30)
+        assert seen["own"] is not real and seen["own"].display.socket_error is not None  # closed as it ended
+        wait_until(lambda: real.pending_events(), what="the ClientMessage")
+        event = real.next_event()
+        assert event.type == Xlib.X.ClientMessage and event.window.id == window.id and event.data[1][0] == 7
+    finally:
+        real.close()
 
 
 def test_tray_menu_under_xvfb(display, tmp_path, app_home):
@@ -156,7 +199,11 @@ def test_tray_menu_under_xvfb(display, tmp_path, app_home):
         open_menu(env, x, y, tray)
         xdotool(env, "key", "Up")  # wraps to the last entry: Quit
         xdotool(env, "key", "Return")
-        assert tray.wait(20) == 0
+        try:
+            code = tray.wait(20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the tray did not exit after Quit\n{hung_report(tray, env)}") from None
+        assert code == 0
         assert "quit" in tray.stdout.read()
         assert not healthy(f"http://127.0.0.1:{port}/health")  # the server stopped with the tray
     finally:
