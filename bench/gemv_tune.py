@@ -230,20 +230,20 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             us = graph_time_us(dequantized, copies)
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
-        if m <= SPLIT_MAX_ROWS and not words_only:  # the split-K form for decode and verify rows (int4_gemv_split_triton), its best tiles
-            split = _sweep_tiles(int4_gemv_split_triton, _SPLIT_TILES, "split ", x, packs, group, copies, ref, bad)
-            default_us = graph_time_us(lambda c: int4_gemv_split_triton(x, *packs[c], group), copies)
-            if split is not None:
-                bad.append(f"split-K GEMV best {split[0]} {split[1]:.1f} us ({nbytes / 1e6 / split[1]:.2f} TB/s, "
-                           f"{cublas / split[1]:.2f}x bf16); default tiles {default_us:.1f} us "
-                           f"({nbytes / 1e6 / default_us:.2f} TB/s)")
-        if m <= WORDS_MAX_ROWS:  # the GEMV over int32 words on the FMA units (int4_gemv_words_triton)
-            words = _sweep_tiles(int4_gemv_words_triton, _WORDS_TILES, "words ", x, packs, group, copies, ref, bad)
-            default_us = graph_time_us(lambda c: int4_gemv_words_triton(x, *packs[c], group), copies)
-            if words is not None:
-                bad.append(f"word GEMV best {words[0]} {words[1]:.1f} us ({nbytes / 1e6 / words[1]:.2f} TB/s, "
-                           f"{cublas / words[1]:.2f}x bf16); default tiles {default_us:.1f} us "
-                           f"({nbytes / 1e6 / default_us:.2f} TB/s)")
+
+        def best_and_default(gemv, tile_list: list[dict], label: str, name: str) -> None:
+            """``gemv``'s best tiles and its default ones, noted in ``bad`` under ``name``."""
+            best_tiles = _sweep_tiles(gemv, tile_list, label, x, packs, group, copies, ref, bad)
+            default_us = graph_time_us(lambda c: gemv(x, *packs[c], group), copies)
+            if best_tiles is not None:
+                tiles, us = best_tiles
+                bad.append(f"{name} best {tiles} {us:.1f} us ({nbytes / 1e6 / us:.2f} TB/s, {cublas / us:.2f}x "
+                           f"bf16); default tiles {default_us:.1f} us ({nbytes / 1e6 / default_us:.2f} TB/s)")
+
+        if m <= SPLIT_MAX_ROWS and not words_only:  # the split-K form for decode and verify rows
+            best_and_default(int4_gemv_split_triton, _SPLIT_TILES, "split ", "split-K GEMV")
+        if m <= WORDS_MAX_ROWS:  # the GEMV over int32 words on the FMA units
+            best_and_default(int4_gemv_words_triton, _WORDS_TILES, "words ", "word GEMV")
         if m <= 16 and not (split_only or words_only):  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:

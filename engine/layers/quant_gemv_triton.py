@@ -278,6 +278,25 @@ def split_count(n: int, k: int, block_n: int, block_k: int, device: torch.device
     return max(1, min(k // block_k, triton.cdiv(want, programs)))
 
 
+def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, split: int | None):
+    """What a launch of a split GEMV over ``[M, K] @ [N, K]^T`` takes: ``(y, row blocks, chunks a
+    split, splits, the fp32 partial-sum planes (y itself with one split), the arrival counters)``;
+    ``split`` of None: ``split_count``'s. Inside a CUDA-graph capture before any counters exist,
+    one split."""
+    m = x.shape[0]
+    steps_all = k // block_k
+    split = split or split_count(n, k, block_n, block_k, x.device)
+    steps = triton.cdiv(steps_all, min(split, steps_all))
+    split = triton.cdiv(steps_all, steps)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(n, block_n)
+    counts = _arrival_counts(x.device, blocks) if split > 1 else None
+    if split > 1 and counts is None:  # no counters yet, inside a capture: one split
+        split, steps = 1, steps_all
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    return y, blocks, steps, split, partial, counts
+
+
 def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                            group: int, tiles: dict | None = None) -> torch.Tensor:
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
@@ -300,18 +319,9 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                          "contiguous")
     t = dict(SPLIT_TILES, **(tiles or {}))
     block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
-    steps_all = k // block_k
-    split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
-    steps = triton.cdiv(steps_all, min(split, steps_all))
-    split = triton.cdiv(steps_all, steps)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
-    blocks = triton.cdiv(n, t["BLOCK_N"])
-    counts = _arrival_counts(x.device, blocks) if split > 1 else None
-    if split > 1 and counts is None:  # no counters yet, inside a capture: one split
-        split, steps = 1, steps_all
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
     bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
     _int4_gemv_split_kernel[(blocks, split)](
         x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
@@ -446,18 +456,9 @@ def int4_gemv_words_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                          "scales and offsets must be contiguous")
     t = dict(WORDS_TILES, **(tiles or {}))
     block_k = words_chunk(t["BLOCK_K"], group, k)
-    steps_all = k // block_k
-    split = t.get("SPLIT") or split_count(n, k, t["BLOCK_N"], block_k, x.device)
-    steps = triton.cdiv(steps_all, min(split, steps_all))
-    split = triton.cdiv(steps_all, steps)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
-    blocks = triton.cdiv(n, t["BLOCK_N"])
-    counts = _arrival_counts(x.device, blocks) if split > 1 else None
-    if split > 1 and counts is None:  # no counters yet, inside a capture: one split
-        split, steps = 1, steps_all
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
     words = packed.view(torch.int32)
     _int4_gemv_words_kernel[(blocks, split)](
         x, words, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
