@@ -171,6 +171,7 @@ class CacheManager:
                 self.kv.release(held[whole:])
             else:
                 cache.pages = held
+        cache.origin = start
         if from_host:
             self.prefix.hits_host += 1
         else:
@@ -207,8 +208,12 @@ class CacheManager:
         if self.prefix is None:
             return None
         entry = self.prefix.add(tokens, cache.pages, cache.slot, adopt=last)
-        if entry is not None and last:
-            cache.slot = None
+        if entry is not None:
+            if cache.origin is not None:
+                cache.origin.covered = True  # the sequence went on past it: ``PrefixCache.evict_one``
+            cache.origin = entry
+            if last:
+                cache.slot = None
         return entry
 
     # evictions ahead of need per call of ``trim(ahead=True)``: the engine's idle work comes in

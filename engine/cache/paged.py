@@ -5,8 +5,13 @@ the cache manager hands out, grows, pauses and takes back.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .kv_pool import PagedKVPool
 from .state_pool import StateSlotPool
+
+if TYPE_CHECKING:
+    from .prefix import Checkpoint
 
 
 class PagedSequenceCache:
@@ -16,6 +21,7 @@ class PagedSequenceCache:
         self.pages: list[int] = []  # block table
         self.slot: int | None = None  # how far it is filled is the request's one cursor, ``num_computed``
         self.kv_slot: int | None = None  # its write slot in the KV pool (exact 4-bit keys), if any
+        self.origin: Checkpoint | None = None  # the last checkpoint on its way: it went on from it, or kept it
 
     @property
     def capacity(self) -> int:

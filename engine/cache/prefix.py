@@ -10,7 +10,8 @@ its last ``KEY_TAIL`` ids, so a lookup hashes a few ids per length kept, not the
 ids themselves (compared in C) confirm a candidate.
 
 Two tiers, a checkpoint in exactly one of them. At most ``max_entries`` are on the device; the
-least recently used one goes when its slot or pages are wanted, or for a newer one. Where a
+least recently used one goes when its slot or pages are wanted, or for a newer one (for a
+slot or a place, one that a longer checkpoint covers first: ``evict_one``). Where a
 request's answer ends (it has finished) its state slot becomes the checkpoint's as it is, and the
 table may hold more until the engine trims it (``trim``), which it does while the device runs the
 next step or while it has none: no step waits for those evictions. While idle it trims a few
@@ -64,6 +65,7 @@ class Checkpoint:
     used: int = field(default_factory=lambda: next(_order))  # recency
     host: HostCopy | None = None  # set while it is in host memory (no pages, no slot)
     anchor: bool = False  # a long prefill's progress anchor (engine.py): whoever resumes from it takes it on
+    covered: bool = False  # a sequence went on past it and kept a longer checkpoint (where its answer ended)
 
     @property
     def length(self) -> int:
@@ -205,14 +207,20 @@ class PrefixCache:
             n += 1
         return n
 
-    def evict_one(self, keep: bool = False) -> bool:
+    def evict_one(self, keep: bool = False, covered_first: bool = True) -> bool:
         """Move the least recently used device checkpoint to host memory, or drop it where the
         host budget has no room for it or as many copies to host as the slots kept for them are
         in flight already (it is copied from its own pages and slot, which come back when the copy
-        is done: no wait); False when there is none, or (``keep``) when it would be dropped."""
+        is done: no wait); False when there is none, or (``keep``) when it would be dropped.
+        With ``covered_first`` (a place or a slot wanted, not pages) the least recently used of
+        those a longer checkpoint covers goes before any other: a conversation returns to where
+        its last answer ended, not to where the prompt before it did, and the longer one holds
+        the same pages (evicting a covered one frees its slot and place, no page)."""
         if not self._entries:
             return False
-        entry = next(iter(self._entries.values()))  # the least recently used: the table is in that order
+        # the table runs from least to most recently used
+        entry = next((e for e in self._entries.values() if e.covered), None) if covered_first else None
+        entry = entry or next(iter(self._entries.values()))
         self.settle()
         if entry.slot is not None and self._moving and self.moving_slots >= self.moving_limit:
             if keep:
@@ -343,7 +351,7 @@ class PrefixCache:
                 event, held, slot = self._moving.pop(0)
                 self.host.wait_on_device(event)
                 self._release(held, slot)
-            elif not self.evict_one():
+            elif not self.evict_one(covered_first=self.kv is None or self.kv.num_free >= pages):
                 return False
         return True
 

@@ -195,6 +195,31 @@ def test_decode_steps_free_the_table_ahead_of_the_next_burst(parts):
     assert kept <= {id(e) for e in prefix.entries} and prefix.num_host == evicted  # none evicted in the burst
 
 
+def test_conversations_taking_turns_return_to_device_checkpoints(parts):
+    """Four conversations taking turns two at a time on a GPU's engine (steps launched ahead,
+    decode steps freeing table places ahead of the next burst): the eight places hold four once
+    freed, and each turn leaves two checkpoints, where its prompt ended and where its answer did.
+    The prompt's is covered by the answer's, so it goes first: every returning turn goes on from
+    where its last answer ended, on the device, with the tokens it gets without the cache."""
+    eng = engine(parts, prefix_checkpoints=8, max_concurrency=2, overlap=True)
+    fresh = engine(parts, prefix_cache=False)
+    prefix = eng.caches.prefix
+    convs = {f"c{i}": [3 + (11 * i + 5 * j) % 70 for j in range(24 + 3 * i)] for i in range(4)}
+    for turn in range(3):
+        for pair in (("c0", "c1"), ("c2", "c3")):
+            before = prefix.hits_gpu
+            reqs = [req(f"{c}t{turn}", convs[c], 6, checkpoints=[len(convs[c])]) for c in pair]
+            got = run(eng, reqs)
+            for c, r in zip(pair, reqs):
+                ids, cached = got[r.request_id]
+                assert ids == run(fresh, [req("plain", convs[c], 6)])["plain"][0]
+                if turn:  # all but the new turn's 3 ids and the answer's last token (sampled, never run)
+                    assert cached == len(convs[c]) - 4, f"{c} turn {turn} found {cached} tokens cached"
+                convs[c] = convs[c] + ids + [9 + turn, 10, 11]
+            assert prefix.hits_gpu - before == (2 if turn else 0)
+    assert prefix.hits_host == 0
+
+
 def test_a_checkpoint_can_be_put_where_the_turn_ends(parts):
     """``checkpoints``: the server puts one before the generation prompt; a request resent with
     the turn after it goes on from there, and a position outside the prompt is refused."""
