@@ -19,7 +19,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
 cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), the split-K form
-(``int4_gemv_split_triton``), the word GEMV (``int4_gemv_words_triton``: ``--words-only`` times it
+(``int4_gemv_split_triton``), the same over the weight in bands (``band_int4``,
+``int4_gemv_banded_triton``), the word GEMV (``int4_gemv_words_triton``: ``--words-only`` times it
 alone) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
 bytes, the scales and the offsets.
 """
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, WORDS_MAX_ROWS, int4_dequantize_triton,
+from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, WORDS_MAX_ROWS, band_int4, banded_takes,
+                                                    int4_dequantize_triton, int4_gemv_banded_triton,
                                                     int4_gemv_dot_triton, int4_gemv_split_triton, int4_gemv_triton,
                                                     int4_gemv_words_triton)
 
@@ -158,6 +160,8 @@ _DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
               for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
 _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
+_BANDED_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
+                 for n, k, w, sp in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8), (None, 1, 2, 4, 8))]
 # (the bytes in flight decide a GEMV's rate: larger row blocks, or more splits, keep more loads
 # waiting a multiprocessor)
 _WORDS_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "X_SPLIT": xs, "SPLIT": sp}
@@ -211,6 +215,7 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
     cols = torch.stack([lo, hi], -1).view(n, k)
     w0 = (cols.view(n, k // group, group) * s0.float()[..., None] + o0.float()[..., None]).view(n, k)
     tiny = [tinygemm_pack(*p) for p in packs]
+    bands = [band_int4(*p) for p in packs] if banded_takes(k, group, 4) else []
     results = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -231,10 +236,10 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
 
-        def best_and_default(gemv, tile_list: list[dict], label: str, name: str) -> None:
+        def best_and_default(gemv, tile_list: list[dict], label: str, name: str, held: list = packs) -> None:
             """``gemv``'s best tiles and its default ones, noted in ``bad`` under ``name``."""
-            best_tiles = _sweep_tiles(gemv, tile_list, label, x, packs, group, copies, ref, bad)
-            default_us = graph_time_us(lambda c: gemv(x, *packs[c], group), copies)
+            best_tiles = _sweep_tiles(gemv, tile_list, label, x, held, group, copies, ref, bad)
+            default_us = graph_time_us(lambda c: gemv(x, *held[c], group), copies)
             if best_tiles is not None:
                 tiles, us = best_tiles
                 bad.append(f"{name} best {tiles} {us:.1f} us ({nbytes / 1e6 / us:.2f} TB/s, {cublas / us:.2f}x "
@@ -242,6 +247,11 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
 
         if m <= SPLIT_MAX_ROWS and not words_only:  # the split-K form for decode and verify rows
             best_and_default(int4_gemv_split_triton, _SPLIT_TILES, "split ", "split-K GEMV")
+            if banded_takes(k, group, 4):  # the same over the weight in bands of 16 rows
+                def banded(x, p, s, o, group, tiles=None):
+                    return int4_gemv_banded_triton(x, p, s, o, group, n, tiles)
+
+                best_and_default(banded, _BANDED_TILES, "banded ", "banded split-K GEMV", bands)
         if m <= WORDS_MAX_ROWS:  # the GEMV over int32 words on the FMA units
             best_and_default(int4_gemv_words_triton, _WORDS_TILES, "words ", "word GEMV")
         if m <= 16 and not (split_only or words_only):  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
@@ -255,6 +265,7 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
     packs.clear()
     dense.clear()
     tiny.clear()
+    bands.clear()
     torch.cuda.empty_cache()
     return results
 

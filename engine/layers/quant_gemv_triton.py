@@ -33,6 +33,10 @@ import triton.language as tl
 from .triton_switch import INTERPRET
 
 DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
+# ``band_int4``'s layout: a band of BAND_ROWS weight rows holds its tiles of BAND_COLS columns one
+# after another, each tile its rows' bytes row after row (1 KiB at 4 bits)
+BAND_ROWS = 16
+BAND_COLS = 128
 
 
 @triton.jit
@@ -202,7 +206,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr, BITS: tl.constexpr):
+                            SPLIT: tl.constexpr, BITS: tl.constexpr, BANDED: tl.constexpr = False,
+                            BAND_ROWS: tl.constexpr = 16, BAND_COLS: tl.constexpr = 128):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -212,6 +217,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
     # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x). 8-bit
     # values (-128..127, a byte each) are converted as they are, exact in bf16 and fp16 (BASE 0).
+    # BANDED: a 4-bit weight in ``band_int4``'s layout (stride_qn and stride_sn a band's).
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -229,7 +235,12 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
             xe = tl.load(xp, mask=mmask[:, None], other=0.0)
             xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
-            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
+            if BANDED:  # row r's bytes of the chunk: in its band, tile k0 // BAND_COLS, at r % BAND_ROWS
+                at = (rows_in // BAND_ROWS) * stride_qn + (rows_in % BAND_ROWS) * (BAND_COLS // 2) + \
+                    (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + (k0 % BAND_COLS) // 2
+                b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int16)
+            else:
+                b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
             lo = ((b & 15) | BASE_BITS).to(xe.dtype, bitcast=True)
             hi = ((b >> 4) | BASE_BITS).to(xe.dtype, bitcast=True)
             if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
@@ -247,7 +258,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             else:
                 r = tl.dot(x, tl.trans(w.to(x.dtype)))
             xs = tl.sum(x.to(tl.float32), 1)
-        sg = rows_in * stride_sn + k0 // G
+        if BANDED:  # a group's scales of a band's rows side by side
+            sg = (rows_in // BAND_ROWS) * stride_sn + (k0 // G) * BAND_ROWS + rows_in % BAND_ROWS
+        else:
+            sg = rows_in * stride_sn + k0 // G
         sc = tl.load(s_ptr + sg).to(tl.float32)
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
         if HAS_OFFSET:
@@ -330,6 +344,64 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
         num_warps=t["num_warps"])
+    return y
+
+
+def banded_takes(k: int, group: int, bits: int) -> bool:
+    """Whether ``band_int4`` takes a weight of ``k`` columns: 4-bit, in whole tiles, in groups the
+    split GEMV takes."""
+    return bits == 4 and k % BAND_COLS == 0 and split_takes(group, bits)
+
+
+def band_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``pack_int4``'s ``[N, K / 2]`` bytes and ``[N, K / G]`` scales (and offsets) in bands of
+    ``BAND_ROWS`` rows (N padded with zero rows to whole bands): ``[N_pad / BAND_ROWS, BAND_ROWS * K /
+    2]`` bytes, each band its tiles of ``BAND_COLS`` columns one after another and each tile its
+    rows' bytes row after row, so a program that walks K over a band reads one run of memory; the
+    scales ``[N_pad / BAND_ROWS, BAND_ROWS * K / G]``, each group's for the band's rows side by side."""
+    n, half = packed.shape
+    pad = -n % BAND_ROWS
+    bands = (n + pad) // BAND_ROWS
+    p = torch.nn.functional.pad(packed, (0, 0, 0, pad)).view(bands, BAND_ROWS, half * 2 // BAND_COLS, BAND_COLS // 2)
+    out = p.permute(0, 2, 1, 3).contiguous().view(bands, BAND_ROWS * half)
+
+    def side_by_side(t: torch.Tensor) -> torch.Tensor:
+        g = t.shape[1]
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(bands, BAND_ROWS, g).transpose(1, 2).contiguous() \
+            .view(bands, BAND_ROWS * g)
+
+    return out, side_by_side(scale), None if offset is None else side_by_side(offset)
+
+
+def int4_gemv_banded_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                            group: int, n: int, tiles: dict | None = None) -> torch.Tensor:
+    """``int4_gemv_split_triton`` over a weight of ``n`` rows in ``band_int4``'s layout (tiles'
+    ``BLOCK_N`` a multiple of ``BAND_ROWS``, ``BLOCK_K`` at most ``BAND_COLS``)."""
+    m, k = x.shape
+    bands = -(-n // BAND_ROWS)
+    t = dict(SPLIT_TILES, **(tiles or {}))
+    block_k = min(t["BLOCK_K"], group & -group, BAND_COLS)
+    if not banded_takes(k, group, 4) or packed.dtype != torch.uint8 or x.dtype not in _DOT_BASES \
+            or tuple(packed.shape) != (bands, BAND_ROWS * k // 2) or tuple(scale.shape) != (bands, BAND_ROWS * k // group) \
+            or offset is not None and offset.shape != scale.shape or m > SPLIT_MAX_ROWS or t["BLOCK_N"] % BAND_ROWS:
+        raise ValueError(f"int4 gemv (banded): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
+                         f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not make {n} rows "
+                         f"(tiles {t})")
+    if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
+            offset is not None and not offset.is_contiguous():
+        raise ValueError("int4 gemv (banded): x needs a contiguous last dim, packed, scales and offsets must be "
+                         "contiguous")
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
+    bits, base = _DOT_BASES[x.dtype]
+    _int4_gemv_split_kernel[(blocks, split)](
+        x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
+        m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
+        G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
+        HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16,
+        SPLIT=split > 1, BITS=4, BANDED=True, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
     return y
 
 

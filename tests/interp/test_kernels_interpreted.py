@@ -339,6 +339,38 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
+    (1, 37, 512, 128, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # 3 bands, the last padded
+    (3, 48, 384, 32, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "SPLIT": 2}),  # chunks of one group: 4 a tile
+    (2, 40, 256, 64, {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT": 1}),  # one block past the rows, y whole
+    (8, 64, 1024, 128, None),  # the default tiles and split
+])
+@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_int4_gemv_over_bands(m, n, k, group, tiles, with_offset, dtype):
+    """The split GEMV over a 4-bit weight laid out in bands of 16 rows, each band's tiles of 128
+    columns one after another: every row's chunk read from its band and tile, its scale from
+    the group's row of the band."""
+    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="banded")
+
+
+def test_band_int4_layout():
+    """``band_int4``: byte j of row r's tile t lies at ``band * 16 * K/2 + t * 1024 + (r % 16) * 64
+    + j``; a group's scales of a band side by side; rows past N are zero."""
+    from ninfer.engine.layers.quant_gemv_triton import band_int4
+
+    n, k, group = 20, 256, 64
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scale = torch.rand(n, k // group).half()
+    pb, sb, ob = band_int4(packed, scale, -scale)
+    assert pb.shape == (2, 16 * k // 2) and sb.shape == (2, 16 * k // group) and ob.shape == sb.shape
+    for r, c in [(0, 0), (5, 70), (17, 127), (19, 64), (16, 3)]:
+        assert pb[r // 16, (c // 64) * 1024 + (r % 16) * 64 + c % 64] == packed[r, c]
+    for r, g in [(3, 2), (19, 0), (16, 3)]:
+        assert sb[r // 16, g * 16 + r % 16] == scale[r, g] and ob[r // 16, g * 16 + r % 16] == -scale[r, g]
+    assert pb[1].view(2, 16, 64)[:, 4:].eq(0).all() and sb[1].view(4, 16)[:, 4:].eq(0).all()
+
+
+@pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "X_SPLIT": True, "SPLIT": 3}),  # 8 chunks, 3 splits
     (3, 16, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2, "X_SPLIT": False, "SPLIT": 1}),  # y written whole
     (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 chunks a group
