@@ -105,6 +105,9 @@ class LaunchSettings:
     # (``quant_gemv_triton.int4_gemv_words_triton``; 0: none), with these tiles
     int4_words_rows: int = 0
     int4_words_tiles: dict = field(default_factory=dict)
+    # 4-bit weights held in bands of 16 rows at load (``quant_gemv_triton.band_int4``: a program of
+    # the split GEMV walking K reads runs of 1 KiB, not 64 bytes a row), where their shape allows
+    int4_bands: bool = True
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

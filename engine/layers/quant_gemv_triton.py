@@ -622,20 +622,29 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @triton.jit
 def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                         BITS: tl.constexpr):
+                         BITS: tl.constexpr, BANDED: tl.constexpr = False, BAND_ROWS: tl.constexpr = 16,
+                         BAND_COLS: tl.constexpr = 128):
+    # BANDED: a 4-bit weight in ``band_int4``'s layout (BLOCK_K at most the group and BAND_COLS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rmask = rows < N
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
     kk = k0 + tl.arange(0, BLOCK_K)
-    if BLOCK_K > G:  # chunks of several groups: a scale per column
+    if BANDED:
+        sg = ((rows_in // BAND_ROWS) * stride_sn + (k0 // G) * BAND_ROWS + rows_in % BAND_ROWS)[:, None]
+    elif BLOCK_K > G:  # chunks of several groups: a scale per column
         sg = rows_in[:, None] * stride_sn + (kk // G)[None, :]
     else:
         sg = rows_in[:, None] * stride_sn + k0 // G
     s = tl.load(s_ptr + sg).to(tl.float32)
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
-        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+        if BANDED:
+            at = (rows_in // BAND_ROWS) * stride_qn + (rows_in % BAND_ROWS) * (BAND_COLS // 2) + \
+                (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + (k0 % BAND_COLS) // 2
+            b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int32)
+        else:
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
         w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
     else:
         w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
@@ -661,4 +670,22 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
         out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)
+    return out
+
+
+def int4_dequantize_banded_triton(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
+                                  out: torch.Tensor) -> torch.Tensor:
+    """``int4_dequantize_triton`` from ``band_int4``'s layout: ``out`` ``[N, K]`` = the first N
+    rows of the bands ``packed`` ``[bands, BAND_ROWS * K / 2]`` holds (N over the bands before the last)."""
+    n, k = out.shape
+    bands = packed.shape[0]
+    if not banded_takes(k, group, 4) or packed.dtype != torch.uint8 or tuple(packed.shape) != (bands, BAND_ROWS * k // 2) \
+            or tuple(scale.shape) != (bands, BAND_ROWS * k // group) or not (bands - 1) * BAND_ROWS < n <= bands * BAND_ROWS:
+        raise ValueError(f"int4 dequantize (banded): packed {tuple(packed.shape)}, scales {tuple(scale.shape)} in "
+                         f"groups of {group} do not make {tuple(out.shape)}")
+    bk = min(group, BAND_COLS)
+    _int4_dequant_kernel[(bands, k // bk)](
+        packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
+        out.stride(0), G=group, BLOCK_N=BAND_ROWS, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=4, BANDED=True,
+        BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=4)
     return out

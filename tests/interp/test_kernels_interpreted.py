@@ -437,9 +437,12 @@ def test_int8_dequantize_groups_of_16(n, k, with_offset):
     check_int4_gemv("cpu", torch.float32, 1, n, k, 16, with_offset, None, 1e-6, kernel="dequantize", bits=8)
 
 
-@pytest.mark.parametrize("rows, words", [(3, 0), (3, 4), (40, 0)])  # decode rows: a GEMV (the split one, or the
-# word GEMV from ``int4_words_rows``); prompt rows: dequantized blocks, then a GEMM
-def test_int4_triton_method_fused_projections(rows, words, monkeypatch):
+@pytest.mark.parametrize("rows, words, bands, dtype", [
+    (3, 0, False, torch.float32), (3, 4, False, torch.float32), (40, 0, False, torch.float32),
+    (3, 0, True, torch.bfloat16), (40, 0, True, torch.float32)])
+# decode rows: a GEMV (the split one, the word GEMV from ``int4_words_rows``, or the split one over
+# bands from ``int4_bands``); prompt rows: dequantized blocks, then a GEMM
+def test_int4_triton_method_fused_projections(rows, words, bands, dtype, monkeypatch):
     """Three projections of one input held 4-bit for the Triton kernels, fused into one method
     as the model fuses q/k/v: the fused product and each part's equal the dequantized weights'."""
     from ninfer.engine import launch
@@ -450,28 +453,34 @@ def test_int4_triton_method_fused_projections(rows, words, monkeypatch):
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ROWS", 16)  # (of 16 rows: 48 = 3 x 16)
     torch.manual_seed(0)
     parts, dense = [], []
-    for out, offset in [(48, True), (16, True), (24, True)]:
+    for out, offset in [(48, True), (16, True), (24, True)]:  # the last part's band padded
         q = torch.randint(0, 16, (out, 256), dtype=torch.uint8)
         scale = (torch.rand(out, 4) * 0.02 + 0.001).half().float()
         off = (torch.rand(out, 4) * -0.1).half().float() if offset else None
         w = GroupQuantized(q, scale, off, 64, 4, "test")
         lin = Linear(256, out, bias=False, device="meta")
         lin.take_quantized("p.weight", w)
-        lin.method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+        with launch.using(int4_bands=bands):
+            lin.method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+        assert lin.method.banded == bands and lin.method.out_features == out and lin.method.in_features == 256
         parts.append(lin)
         dense.append(w.dequantize())
     fused = fuse_methods([p.method for p in parts])
-    x = torch.randn(rows, 256)
-    want = x @ torch.cat(dense).T
-    words_runs = []
-    real_words = quant_gemv_triton.int4_gemv_words_triton
-    monkeypatch.setattr(quant_gemv_triton, "int4_gemv_words_triton",
-                        lambda *a, **k: words_runs.append(1) or real_words(*a, **k))
+    assert fused.banded == bands and fused.out_features == 88
+    x = torch.randn(rows, 256).to(dtype)
+    want = x.float() @ torch.cat(dense).T
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    runs = {"words": [], "banded": []}
+    for name in runs:
+        real = getattr(quant_gemv_triton, f"int4_gemv_{name}_triton")
+        monkeypatch.setattr(quant_gemv_triton, f"int4_gemv_{name}_triton",
+                            lambda *a, _real=real, _runs=runs[name], **k: _runs.append(1) or _real(*a, **k))
     with launch.using(int4_words_rows=words):
-        assert rel_err(fused(x), want) < 1e-5
+        assert rel_err(fused(x).float(), want) < tol
         for lin, w in zip(parts, dense):
-            assert rel_err(lin(x), x @ w.T) < 1e-5
-    assert len(words_runs) == (4 if words else 0)  # the fused product and each part's
+            assert rel_err(lin(x).float(), x.float() @ w.T) < tol
+    assert len(runs["words"]) == (4 if words else 0)  # the fused product and each part's
+    assert len(runs["banded"]) == (4 if bands and dtype != torch.float32 else 0)
 
 
 @pytest.mark.parametrize("rows", [3, 40])
