@@ -206,8 +206,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr, BITS: tl.constexpr, BANDED: tl.constexpr = False,
-                            BAND_ROWS: tl.constexpr = 16, BAND_COLS: tl.constexpr = 128):
+                            SPLIT: tl.constexpr, BITS: tl.constexpr, BANDED: tl.constexpr,
+                            BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -343,7 +343,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        num_warps=t["num_warps"])
+        BANDED=False, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
     return y
 
 
@@ -622,8 +622,8 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @triton.jit
 def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                         BITS: tl.constexpr, BANDED: tl.constexpr = False, BAND_ROWS: tl.constexpr = 16,
-                         BAND_COLS: tl.constexpr = 128):
+                         BITS: tl.constexpr, BANDED: tl.constexpr, BAND_ROWS: tl.constexpr,
+                         BAND_COLS: tl.constexpr):
     # BANDED: a 4-bit weight in ``band_int4``'s layout (BLOCK_K at most the group and BAND_COLS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -669,7 +669,8 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
     bk = chunk_columns(128, group, k)
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
-        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)
+        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, BANDED=False,
+        BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=4)
     return out
 
 
