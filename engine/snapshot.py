@@ -40,6 +40,9 @@ class Gauges:
     prefix_host_state_bytes: int = 0
     prefix_hits_gpu: int = 0  # requests that went on from a device checkpoint, from a host one (counts)
     prefix_hits_host: int = 0
+    prefix_evicted_host: int = 0  # device checkpoints moved to host memory, dropped (counts)
+    prefix_evicted_dropped: int = 0
+    prefix_copy_waits: int = 0  # the GPU told to wait for a copy to host in flight (counts)
 
 
 class Lane(NamedTuple):
@@ -94,6 +97,9 @@ def take_snapshot(engine) -> EngineSnapshot:
         g.prefix_host_state_bytes = caches.prefix.host_state_bytes
         g.prefix_hits_gpu = caches.prefix.hits_gpu
         g.prefix_hits_host = caches.prefix.hits_host
+        g.prefix_evicted_host = caches.prefix.evicted_host
+        g.prefix_evicted_dropped = caches.prefix.evicted_dropped
+        g.prefix_copy_waits = caches.prefix.copy_waits
     lanes = [Lane(r.request_id, r.status is Status.PREFILL, len(r.prompt_ids), min(r.num_computed, len(r.prompt_ids)),
                   len(r.output_ids), r.params, r.arrival) for r in running]
     return EngineSnapshot(engine.counters, engine.scheduler.stats, g, lanes)

@@ -101,6 +101,9 @@ class PrefixCache:
         self.host_bytes = 0  # the host memory they take (their extents)
         self.hits_gpu = 0  # requests that went on from a device checkpoint
         self.hits_host = 0  # from a host checkpoint (promoted)
+        self.evicted_host = 0  # device checkpoints moved to host memory
+        self.evicted_dropped = 0  # ... dropped (no host room, or every slot for copies in flight taken)
+        self.copy_waits = 0  # times the GPU was told to wait for a copy to host in flight, to reuse its pages or slot
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -226,13 +229,16 @@ class PrefixCache:
             if keep:
                 return False
             self._drop(entry)
+            self.evicted_dropped += 1
             return True
         room = self._host_room_for(len(entry.pages), entry.used)
         if room is None:
             if keep:
                 return False
             self._drop(entry)
+            self.evicted_dropped += 1
             return True
+        self.evicted_host += 1
         del self._entries[entry.key]
         pages, slot = entry.pages, entry.slot
         entry.host, entry.pages, entry.slot = self.host.to_host(room, pages, slot), [], None
@@ -350,6 +356,7 @@ class PrefixCache:
             if self._moving:
                 event, held, slot = self._moving.pop(0)
                 self.host.wait_on_device(event)
+                self.copy_waits += 1
                 self._release(held, slot)
             elif not self.evict_one(covered_first=self.kv is None or self.kv.num_free >= pages):
                 return False

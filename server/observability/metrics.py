@@ -116,6 +116,13 @@ class _EngineCollector:
         hits.add_metric(["gpu"], g.prefix_hits_gpu)
         hits.add_metric(["host"], g.prefix_hits_host)
         yield hits
+        evicted = CounterMetricFamily("ninfer_prefix_evictions", "Device prefix checkpoints evicted, by where they "
+                                      "went (host memory, or dropped)", labels=["to"])
+        evicted.add_metric(["host"], g.prefix_evicted_host)
+        evicted.add_metric(["dropped"], g.prefix_evicted_dropped)
+        yield evicted
+        yield _counter("ninfer_prefix_copy_waits", "Times the GPU waited for a checkpoint's copy to host memory "
+                       "to finish, to reuse its pages or state slot", g.prefix_copy_waits)
         yield _gauge("ninfer_device_state_capacity_slots", "Recurrent-state slots in the pool", g.state_slots_total)
         yield _gauge("ninfer_host_context_used_bytes", "Host memory holding paused requests' state",
                      g.host_cache_bytes_used)

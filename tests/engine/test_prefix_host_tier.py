@@ -56,6 +56,9 @@ def test_two_conversations_taking_turns_go_on_from_host_memory(parts):
     g = take_snapshot(eng).gauges
     assert (g.prefix_checkpoints, g.prefix_host_checkpoints) == (1, prefix.num_host)
     assert (g.prefix_hits_gpu, g.prefix_hits_host) == (0, 4)
+    # every checkpoint in host memory, and every one promoted from there, moved there first; none dropped
+    assert (g.prefix_evicted_host, g.prefix_evicted_dropped, g.prefix_copy_waits) == (prefix.evicted_host, 0, 0)
+    assert prefix.evicted_host >= prefix.num_host + prefix.hits_host
     pages = sum(-(-e.length // eng.caches.page_size) for e in prefix.host_entries)  # those covering each
     assert g.prefix_host_kv_bytes == pages * prefix.page_bytes > 0  # the data they hold
     assert g.prefix_host_state_bytes == prefix.num_host * prefix.slot_bytes
@@ -77,6 +80,7 @@ def test_without_a_host_budget_evicted_checkpoints_are_dropped(parts):
     prefix = eng.caches.prefix
     assert prefix.num_host == 0 and eng.caches.host_checkpoint_bytes == 0 and prefix.hits_host == 0
     assert len(prefix) == 1
+    assert prefix.evicted_host == 0 and prefix.evicted_dropped >= 5  # each turn's answer dropped for the next
     assert_all_given_back(eng)
 
 

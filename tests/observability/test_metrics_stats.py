@@ -117,7 +117,10 @@ def test_stats_shape_and_agreement_with_metrics(client, served):
                               "host_checkpoint_kv_bytes": m['ninfer_prefix_host_checkpoint_bytes{kind="kv"}'],
                               "host_checkpoint_state_bytes": m['ninfer_prefix_host_checkpoint_bytes{kind="state"}'],
                               "hits": {"gpu": m['ninfer_prefix_hits_total{tier="gpu"}'],
-                                       "host": m['ninfer_prefix_hits_total{tier="host"}']}}  # scripted: off
+                                       "host": m['ninfer_prefix_hits_total{tier="host"}']},
+                              "evictions": {"host": m['ninfer_prefix_evictions_total{to="host"}'],
+                                            "dropped": m['ninfer_prefix_evictions_total{to="dropped"}']},
+                              "copy_waits": m["ninfer_prefix_copy_waits_total"]}  # scripted: off
     assert stats["requests"] == {"running": m["ninfer_requests_running"], "waiting": m["ninfer_requests_waiting"],
                                  "paused": m["ninfer_requests_paused"]}
     mem = stats["memory"]
