@@ -20,8 +20,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
 cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), the split-K form
 (``int4_gemv_split_triton``), the same over the weight in bands (``band_int4``,
-``int4_gemv_banded_triton``), the word GEMV (``int4_gemv_words_triton``: ``--words-only`` times it
-alone) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
+``int4_gemv_banded_triton``), the word GEMV (``int4_gemv_words_triton``; ``--forms`` picks the forms
+swept) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
 bytes, the scales and the offsets.
 """
 from __future__ import annotations
@@ -198,8 +198,11 @@ def _sweep_tiles(gemv, tile_list: list[dict], label: str, x: torch.Tensor, packs
     return best
 
 
-def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128, split_only: bool = False,
-              words_only: bool = False) -> list[dict]:
+INT4_FORMS = ("split", "banded", "words", "dot", "gemv")
+
+
+def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128,
+              forms: tuple[str, ...] = INT4_FORMS) -> list[dict]:
     """``int4_gemv_triton`` per tile choice (decode rows), the weight dequantized then cuBLAS (prompt
 rows) and torch's tinygemm, against bf16 cuBLAS, at
     ``[M, K] @ [N, K]^T``."""
@@ -245,20 +248,21 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
                 bad.append(f"{name} best {tiles} {us:.1f} us ({nbytes / 1e6 / us:.2f} TB/s, {cublas / us:.2f}x "
                            f"bf16); default tiles {default_us:.1f} us ({nbytes / 1e6 / default_us:.2f} TB/s)")
 
-        if m <= SPLIT_MAX_ROWS and not words_only:  # the split-K form for decode and verify rows
+        if m <= SPLIT_MAX_ROWS and "split" in forms:  # the split-K form for decode and verify rows
             best_and_default(int4_gemv_split_triton, _SPLIT_TILES, "split ", "split-K GEMV")
-            if banded_takes(k, group, 4):  # the same over the weight in bands of 16 rows
-                def banded(x, p, s, o, group, tiles=None):
-                    return int4_gemv_banded_triton(x, p, s, o, group, n, tiles)
+        if m <= SPLIT_MAX_ROWS and "banded" in forms and banded_takes(k, group, 4):  # ... over bands of 16 rows
+            def banded(x, p, s, o, group, tiles=None):
+                return int4_gemv_banded_triton(x, p, s, o, group, n, tiles)
 
-                best_and_default(banded, _BANDED_TILES, "banded ", "banded split-K GEMV", bands)
-        if m <= WORDS_MAX_ROWS:  # the GEMV over int32 words on the FMA units
+            best_and_default(banded, _BANDED_TILES, "banded ", "banded split-K GEMV", bands)
+        if m <= WORDS_MAX_ROWS and "words" in forms:  # the GEMV over int32 words on the FMA units
             best_and_default(int4_gemv_words_triton, _WORDS_TILES, "words ", "word GEMV")
-        if m <= 16 and not (split_only or words_only):  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
+        if m <= 16 and "dot" in forms:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:
                 bad.append(f"tensor-core GEMV {_tile_name(dot[0])} {dot[1]:.1f} us ({nbytes / 1e6 / dot[1]:.2f} TB/s, "
                            f"{cublas / dot[1]:.2f}x bf16)")
+        if m <= 16 and "gemv" in forms:
             best = _sweep_tiles(int4_gemv_triton, _INT4_TILES, "", x, packs, group, copies, ref, bad)
         results.append({"m": m, "n": n, "k": k, "mb": nbytes / 1e6, "cublas_us": cublas, "best": best,
                         "rule": {}, "rule_us": tiny_us, "bad": bad, "cublas_mb": 2 * n * k / 1e6})
@@ -284,13 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-mb", type=float, default=256.0, help="weight MB streamed per timed graph (> L2)")
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
-    p.add_argument("--split-only", action="store_true", help="--int4: only the split-K GEMV, the word GEMV and tinygemm")
-    p.add_argument("--words-only", action="store_true", help="--int4: only the word GEMV and tinygemm")
+    p.add_argument("--forms", default=",".join(INT4_FORMS),
+                   help="--int4: the GEMV forms swept (split, banded, words, dot, gemv), beside tinygemm")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     cfg = shape_config(args.shape)
     rows = [int(r) for r in args.rows.split(",")]
+    forms = tuple(f for f in args.forms.split(",") if f)
+    if any(f not in INT4_FORMS for f in forms):
+        p.error(f"--forms: each of {', '.join(INT4_FORMS)}")
     print(f"{args.shape} on {torch.cuda.get_device_name()}: bf16, GPU time per call inside CUDA graphs; "
           "TB/s = weight bytes / time; tiles = BLOCK_N x BLOCK_K / num_warps; "
           "'rule us' = the tiles decode_linear runs now (fused_linear.gemv_tiles)"
@@ -303,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k in projections(cfg):
         if args.norm and not any(part in NORMED for part in name.split(" = ")):
             continue
-        runs = tune_int4(n, k, rows, args.graph_mb, split_only=args.split_only,
-                                                       words_only=args.words_only) if args.int4 else tune(n, k, rows, args.graph_mb, norm=args.norm)
+        runs = tune_int4(n, k, rows, args.graph_mb, forms=forms) if args.int4 else \
+            tune(n, k, rows, args.graph_mb, norm=args.norm)
         for r in runs:
             mb, cu = r["mb"], r["cublas_us"]
             rule = "-" if args.norm else "cuBLAS" if r["rule"] is None else f"{r['rule_us']:.1f}"
