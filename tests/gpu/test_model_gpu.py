@@ -47,12 +47,12 @@ def test_gpu_logits_match_cpu_reference(ckpt):
     assert (gpu32.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
 
 
-def _greedy(model, tok, which: tuple[int, ...] = (0, 1, 2)) -> dict[int, list[int]]:
+def _greedy(model, tok, which: tuple[int, ...] = (0, 1, 2), dtype: torch.dtype = torch.float32) -> dict[int, list[int]]:
     """Greedy tokens of prompts ``which`` (of eight of different lengths) decoded together in
     CUDA graphs."""
     ids = tok.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 4)
     engine = LLMEngine(model, tok, EngineConfig(max_context=160, max_concurrency=8, prefill_chunk=64,
-                                                kv_capacity=2048, page_size=16, device="cuda", dtype=torch.float32))
+                                                kv_capacity=2048, page_size=16, device="cuda", dtype=dtype))
     assert engine.runner.graphs is not None
     reqs = {i: Request(f"r{i}", ids[i : i + 6 + 9 * i], SamplingParams(temperature=0.0, max_tokens=24,
                                                                         ignore_eos=True), max_total_tokens=160)
@@ -171,3 +171,39 @@ def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, set_launch
     set_launch(pdl=mode)
     assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == {"first": 1, "late": 2}[mode]
     assert _greedy(model, ckpt.tokenizer) == plain
+
+
+def test_int4_weights_in_bands_give_the_row_layouts_logits_and_tokens(tmp_path):
+    """A Qwen3.5 of 128-wide projections quantized at load (``--weights int4``) on the GPU: held in
+    bands of 16 rows (the default) it gives the logits of its weights held row by row (prompt rows:
+    dequantized blocks; decode rows: the split GEMV) and the same greedy tokens in CUDA graphs."""
+    import transformers
+
+    from ninfer.engine import launch
+    from support.tiny import _perturb, save_tokenizer
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    vocab = save_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, max_position_embeddings=512, eos_token_id=2, intermediate_size=256,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    _perturb(model, 0.3)  # loud, sharp distributions: greedy tokens far from ties
+    model.save_pretrained(path)
+    ckpt = load_checkpoint(path)
+    models = {}
+    for bands in (True, False):
+        with launch.using(int4_bands=bands):
+            models[bands] = load_model(ckpt, "cuda", torch.bfloat16, weights="int4")
+    held = [m for m in models[True].modules() if type(m).__name__ == "TritonGroupMethod"]
+    assert held and all(m.banded for m in held)
+    assert not any(m.banded for m in models[False].modules() if type(m).__name__ == "TritonGroupMethod")
+    ids = ckpt.tokenizer.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 3)
+    banded, rows = prompt_logits(models[True], ids, "cuda"), prompt_logits(models[False], ids, "cuda")
+    assert rel(banded, rows) < 1e-2, rel(banded, rows)
+    assert _greedy(models[True], ckpt.tokenizer, dtype=torch.bfloat16) == \
+        _greedy(models[False], ckpt.tokenizer, dtype=torch.bfloat16)
