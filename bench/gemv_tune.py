@@ -20,8 +20,7 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
 cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), the split-K form
 (``int4_gemv_split_triton``), the same over the weight in bands (``band_int4``,
-``int4_gemv_banded_triton``), the word GEMV (``int4_gemv_words_triton``; ``--forms`` picks the forms
-swept) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
+``int4_gemv_banded_triton``; ``--forms`` picks the forms swept) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
 bytes, the scales and the offsets.
 """
 from __future__ import annotations
@@ -37,10 +36,9 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, WORDS_MAX_ROWS, band_int4, banded_takes,
-                                                    int4_dequantize_triton, int4_gemv_banded_triton,
-                                                    int4_gemv_dot_triton, int4_gemv_split_triton, int4_gemv_triton,
-                                                    int4_gemv_words_triton)
+from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, band_int4, banded_takes, int4_dequantize_triton,
+                                                    int4_gemv_banded_triton, int4_gemv_dot_triton,
+                                                    int4_gemv_split_triton, int4_gemv_triton)
 
 from .gpu_env import graph_time_us
 from .shapes import shape_config
@@ -162,11 +160,6 @@ _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
 _BANDED_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                  for n, k, w, sp in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8), (None, 1, 2, 4, 8))]
-# (the bytes in flight decide a GEMV's rate: larger row blocks, or more splits, keep more loads
-# waiting a multiprocessor)
-_WORDS_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "X_SPLIT": xs, "SPLIT": sp}
-                for n, k, w, xs, sp in itertools.product((16, 32, 64), (128, 512), (4, 8), (True, False),
-                                                         (None, 1, 4, 16))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
@@ -198,7 +191,7 @@ def _sweep_tiles(gemv, tile_list: list[dict], label: str, x: torch.Tensor, packs
     return best
 
 
-INT4_FORMS = ("split", "banded", "words", "dot", "gemv")
+INT4_FORMS = ("split", "banded", "dot", "gemv")
 
 
 def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128,
@@ -255,8 +248,6 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
                 return int4_gemv_banded_triton(x, p, s, o, group, n, tiles)
 
             best_and_default(banded, _BANDED_TILES, "banded ", "banded split-K GEMV", bands)
-        if m <= WORDS_MAX_ROWS and "words" in forms:  # the GEMV over int32 words on the FMA units
-            best_and_default(int4_gemv_words_triton, _WORDS_TILES, "words ", "word GEMV")
         if m <= 16 and "dot" in forms:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:
@@ -289,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
     p.add_argument("--forms", default=",".join(INT4_FORMS),
-                   help="--int4: the GEMV forms swept (split, banded, words, dot, gemv), beside tinygemm")
+                   help="--int4: the GEMV forms swept (split, banded, dot, gemv), beside tinygemm")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")

@@ -101,10 +101,6 @@ class LaunchSettings:
     # decode and verify rows (up to 64) of a 4-bit or 8-bit weight through the split-K GEMV on the tensor
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
     int4_split_gemv: bool = True
-    # ... but up to this many rows through the GEMV over int32 words on the FMA units
-    # (``quant_gemv_triton.int4_gemv_words_triton``; 0: none), with these tiles
-    int4_words_rows: int = 0
-    int4_words_tiles: dict = field(default_factory=dict)
     # 4-bit weights held in bands of 16 rows at load (``quant_gemv_triton.band_int4``: a program of
     # the split GEMV walking K reads runs of 1 KiB, not 64 bytes a row), where their shape allows
     int4_bands: bool = True

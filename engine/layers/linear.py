@@ -273,9 +273,8 @@ class TritonGroupMethod(LinearMethod):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .. import launch
-        from .quant_gemv_triton import (SPLIT_MAX_ROWS, WORDS_MAX_ROWS, int4_dequantize_triton,
-                                        int4_gemv_split_triton, int4_gemv_triton, int4_gemv_words_triton,
-                                        split_takes, words_take)
+        from .quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_split_triton,
+                                        int4_gemv_triton, split_takes)
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -283,12 +282,6 @@ class TritonGroupMethod(LinearMethod):
             return self._banded_forward(x2).view(*lead, self.out_features)
         pow2 = self.group >= 16 and not self.group & (self.group - 1)
         settings = launch.current()
-        if x2.shape[0] <= min(settings.int4_words_rows, WORDS_MAX_ROWS) and self.bits == 4 \
-                and words_take(self.group, self.in_features) and self.packed.storage_offset() % 4 == 0 \
-                and x2.stride(-1) == 1:
-            out = int4_gemv_words_triton(x2, self.packed, self.scale, self.offset, self.group,
-                                         settings.int4_words_tiles)
-            return out.view(*lead, self.out_features)
         if x2.shape[0] <= SPLIT_MAX_ROWS and split_takes(self.group, self.bits) \
                 and x.dtype in (torch.bfloat16, torch.float16) and settings.int4_split_gemv:
             out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group)

@@ -267,21 +267,6 @@ def test_int4_gemv_over_bands(m, n, k, group, tiles, with_offset):
         check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, tiles, 2e-2, kernel="banded")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n, k, group, tiles", [
-    (5120, 17408, 128, None),  # the 27B's MLP down: K split over programs (the default count)
-    (34816, 5120, 128, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "X_SPLIT": False, "SPLIT": 1}),
-    (1000, 2048, 32, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "X_SPLIT": True, "SPLIT": 8}),
-    (37, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1, "X_SPLIT": True, "SPLIT": 3}),
-])
-@pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_gemv_over_words(m, n, k, group, tiles, with_offset):
-    """The decode rows' 4-bit GEMV over int32 words on the FMA units (twice: the arrival counters
-    put back)."""
-    for _ in range(2):
-        check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, tiles, 2e-2, kernel="words")
-
-
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("n, k, group", [(248320, 5120, 5120), (4096, 4096, 128)])  # the 27B's 8-bit LM head
 def test_int8_gemv_split_over_k(m, n, k, group):

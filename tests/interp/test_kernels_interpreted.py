@@ -371,25 +371,6 @@ def test_band_int4_layout():
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
-    (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "X_SPLIT": True, "SPLIT": 3}),  # 8 chunks, 3 splits
-    (3, 16, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2, "X_SPLIT": False, "SPLIT": 1}),  # y written whole
-    (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 chunks a group
-    (8, 24, 512, 64, None),  # the split the multiprocessors ask for
-    (1, 8, 96, 96, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 1, "X_SPLIT": True}),  # chunks of 32 (96's power of two)
-    (2, 24, 512, 64, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "X_SPLIT": True, "SPLIT": 2}),  # 4 groups a chunk
-    (4, 16, 1024, 128, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "X_SPLIT": False}),  # 4 groups, one split
-    (1, 16, 384, 128, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "X_SPLIT": True}),  # 256 does not divide K: 128
-])
-@pytest.mark.parametrize("with_offset", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int4_gemv_over_words(m, n, k, group, tiles, with_offset, dtype):
-    """Decode rows against a 4-bit weight read as int32 words: each nibble made ``1 + q / 16`` by
-    its bits, the chunk's sums scaled once a row, K split over programs."""
-    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-5 if dtype == torch.float32 else 1e-2,
-                    kernel="words")
-
-
-@pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
 ])
@@ -437,12 +418,11 @@ def test_int8_dequantize_groups_of_16(n, k, with_offset):
     check_int4_gemv("cpu", torch.float32, 1, n, k, 16, with_offset, None, 1e-6, kernel="dequantize", bits=8)
 
 
-@pytest.mark.parametrize("rows, words, bands, dtype", [
-    (3, 0, False, torch.float32), (3, 4, False, torch.float32), (40, 0, False, torch.float32),
-    (3, 0, True, torch.bfloat16), (40, 0, True, torch.float32)])
-# decode rows: a GEMV (the split one, the word GEMV from ``int4_words_rows``, or the split one over
-# bands from ``int4_bands``); prompt rows: dequantized blocks, then a GEMM
-def test_int4_triton_method_fused_projections(rows, words, bands, dtype, monkeypatch):
+@pytest.mark.parametrize("rows, bands, dtype", [
+    (3, False, torch.float32), (40, False, torch.float32), (3, True, torch.bfloat16), (40, True, torch.float32)])
+# decode rows: a GEMV (the split one, or the split one over bands from ``int4_bands``); prompt
+# rows: dequantized blocks, then a GEMM
+def test_int4_triton_method_fused_projections(rows, bands, dtype, monkeypatch):
     """Three projections of one input held 4-bit for the Triton kernels, fused into one method
     as the model fuses q/k/v: the fused product and each part's equal the dequantized weights'."""
     from ninfer.engine import launch
@@ -470,17 +450,13 @@ def test_int4_triton_method_fused_projections(rows, words, bands, dtype, monkeyp
     x = torch.randn(rows, 256).to(dtype)
     want = x.float() @ torch.cat(dense).T
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    runs = {"words": [], "banded": []}
-    for name in runs:
-        real = getattr(quant_gemv_triton, f"int4_gemv_{name}_triton")
-        monkeypatch.setattr(quant_gemv_triton, f"int4_gemv_{name}_triton",
-                            lambda *a, _real=real, _runs=runs[name], **k: _runs.append(1) or _real(*a, **k))
-    with launch.using(int4_words_rows=words):
-        assert rel_err(fused(x).float(), want) < tol
-        for lin, w in zip(parts, dense):
-            assert rel_err(lin(x).float(), x.float() @ w.T) < tol
-    assert len(runs["words"]) == (4 if words else 0)  # the fused product and each part's
-    assert len(runs["banded"]) == (4 if bands and dtype != torch.float32 else 0)
+    runs = []
+    real = quant_gemv_triton.int4_gemv_banded_triton
+    monkeypatch.setattr(quant_gemv_triton, "int4_gemv_banded_triton", lambda *a, **k: runs.append(1) or real(*a, **k))
+    assert rel_err(fused(x).float(), want) < tol
+    for lin, w in zip(parts, dense):
+        assert rel_err(lin(x).float(), x.float() @ w.T) < tol
+    assert len(runs) == (4 if bands and dtype != torch.float32 else 0)  # the fused product and each part's
 
 
 @pytest.mark.parametrize("rows", [3, 40])

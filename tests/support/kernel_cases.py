@@ -414,12 +414,11 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
     cores, "split": that form for a few rows with K split over programs, "banded": the split form
-    over ``band_int4``'s layout, or "words": the weight read as int32 words on the FMA units) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
+    over ``band_int4``'s layout) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
     the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
     from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
-                                                        int4_gemv_split_triton, int4_gemv_triton,
-                                                        int4_gemv_words_triton, pack_int4)
+                                                        int4_gemv_split_triton, int4_gemv_triton, pack_int4)
 
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -446,8 +445,7 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         assert out.shape == (m, n) and out.dtype == dtype
         assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
         return
-    gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton,
-            "words": int4_gemv_words_triton}.get(kernel, int4_gemv_triton)
+    gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
     out = gemv(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
