@@ -584,12 +584,12 @@ def test_the_split_gemv_puts_its_arrival_counters_back():
     assert not qg._COUNTS[torch.device("cpu")].any()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits, banded", [(4, False), (8, False), (4, True)], ids=["4bit", "8bit", "4bit-bands"])
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
-def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits):
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded):
     """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``; one split
-    writing the output, or several leaving fp32 partial planes that the last to arrive adds)
-    lowers for sm_90."""
+    writing the output, or several leaving fp32 partial planes that the last to arrive adds; a
+    4-bit weight row by row or in bands of 16 rows) lowers for sm_90."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
@@ -597,11 +597,13 @@ def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits):
     partial, counts = torch.empty(split, 1, 48), torch.zeros(1, dtype=torch.int32)
     packed = torch.zeros(48, 512, dtype=torch.uint8) if bits == 4 else torch.zeros(48, 1024, dtype=torch.int8)
     scale = torch.ones(48, 8, dtype=torch.float16)
+    if banded:
+        packed, scale, _ = qg.band_int4(packed, scale, None)
     launch = kernel_lowering.launch_of(
         qg._int4_gemv_split_kernel,
-        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1], 8, 48,
-         48),
+        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1],
+         scale.shape[1], 48, 48),
         {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
          "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
-         "SPLIT": split > 1, "BITS": bits})
+         "SPLIT": split > 1, "BITS": bits, "BANDED": banded, "BAND_ROWS": qg.BAND_ROWS, "BAND_COLS": qg.BAND_COLS})
     assert not kernel_lowering.lower_recorded([launch])
