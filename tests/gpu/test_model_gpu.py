@@ -177,23 +177,10 @@ def test_int4_weights_in_bands_give_the_row_layouts_logits_and_tokens(tmp_path):
     """A Qwen3.5 of 128-wide projections quantized at load (``--weights int4``) on the GPU: held in
     bands of 16 rows (the default) it gives the logits of its weights held row by row (prompt rows:
     dequantized blocks; decode rows: the split GEMV) and the same greedy tokens in CUDA graphs."""
-    import transformers
-
     from ninfer.engine import launch
-    from support.tiny import _perturb, save_tokenizer
+    from support.tiny import save_wide_qwen3_5
 
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    vocab = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, max_position_embeddings=512, eos_token_id=2, intermediate_size=256,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-    model = transformers.Qwen3_5ForCausalLM(cfg)
-    _perturb(model, 0.3)  # loud, sharp distributions: greedy tokens far from ties
-    model.save_pretrained(path)
+    path = save_wide_qwen3_5(tmp_path / "ckpt", 128, noise=0.3)  # loud: greedy tokens far from ties
     ckpt = load_checkpoint(path)
     models = {}
     for bands in (True, False):

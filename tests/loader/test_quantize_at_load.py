@@ -11,7 +11,7 @@ from ninfer.engine.layers.linear import Int4CpuMethod, Linear, quantize_rtn
 from ninfer.engine.loader import load_checkpoint, load_model, quantized_at_load
 from ninfer.engine.models.registry import build_model
 from ninfer.engine.models.base import ForwardBatch
-from support.tiny import save_tiny_qwen3_5, save_tokenizer
+from support.tiny import save_tiny_qwen3_5, save_wide_qwen3_5
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -46,19 +46,7 @@ def test_narrow_int4_matrices_take_groups_of_32_where_they_were_quantized_before
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
     """A 4-layer hybrid Qwen3.5 wide enough that its projections fit the int4 matmul."""
-    import transformers
-
-    path = tmp_path_factory.mktemp("ckpt") / "qwen"
-    path.mkdir()
-    vocab = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, intermediate_size=512, max_position_embeddings=512, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(path)
-    return load_checkpoint(path)
+    return load_checkpoint(save_wide_qwen3_5(tmp_path_factory.mktemp("ckpt") / "qwen", 256))
 
 
 def logits(model, ids: list[int]) -> torch.Tensor:

@@ -95,6 +95,28 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False, noise: float
     return path
 
 
+def save_wide_qwen3_5(path: Path, hidden: int, noise: float = 0.0) -> Path:
+    """A 4-layer hybrid Qwen3.5 whose projections are ``hidden`` (heads of ``hidden / 4``, MLP
+    ``2 * hidden``) wide, for the quantized matmuls' shapes; ``noise`` added to every weight (0:
+    transformers' own initialisation)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(path)
+    torch.manual_seed(0)
+    head = hidden // 4
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=head, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head,
+        linear_value_head_dim=head, intermediate_size=2 * hidden, max_position_embeddings=512, eos_token_id=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    if noise:
+        _perturb(model, noise)
+    model.save_pretrained(path)
+    return path
+
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # ids 3, 4, 5, 6
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 3, 4, 5, 6
 # as Qwen3.5's template renders content parts: an image part is its placeholder between the vision tokens
