@@ -202,6 +202,17 @@ def _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS
 
 
 @triton.jit
+def _band_at(rows_in, k0, stride_qn, stride_sn, G: tl.constexpr, BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr):
+    """In ``band_int4``'s layout: where each of ``rows_in``'s bytes of the chunk from column ``k0``
+    start (its band, tile ``k0 // BAND_COLS``, row ``r % BAND_ROWS`` of it), and where its scale
+    of the chunk's group lies (a group's scales of a band side by side)."""
+    band, r = rows_in // BAND_ROWS, rows_in % BAND_ROWS
+    at = band * stride_qn + r * (BAND_COLS // 2) + (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + \
+        (k0 % BAND_COLS) // 2
+    return at, band * stride_sn + (k0 // G) * BAND_ROWS + r
+
+
+@triton.jit
 def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -235,9 +246,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
             xe = tl.load(xp, mask=mmask[:, None], other=0.0)
             xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
-            if BANDED:  # row r's bytes of the chunk: in its band, tile k0 // BAND_COLS, at r % BAND_ROWS
-                at = (rows_in // BAND_ROWS) * stride_qn + (rows_in % BAND_ROWS) * (BAND_COLS // 2) + \
-                    (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + (k0 % BAND_COLS) // 2
+            if BANDED:
+                at, _ = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
                 b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int16)
             else:
                 b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
@@ -258,8 +268,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             else:
                 r = tl.dot(x, tl.trans(w.to(x.dtype)))
             xs = tl.sum(x.to(tl.float32), 1)
-        if BANDED:  # a group's scales of a band's rows side by side
-            sg = (rows_in // BAND_ROWS) * stride_sn + (k0 // G) * BAND_ROWS + rows_in % BAND_ROWS
+        if BANDED:
+            _, sg = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
         else:
             sg = rows_in * stride_sn + k0 // G
         sc = tl.load(s_ptr + sg).to(tl.float32)
@@ -333,6 +343,13 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                          "contiguous")
     t = dict(SPLIT_TILES, **(tiles or {}))
     block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
+    return _launch_split(x, packed, scale, offset, group, n, t, block_k, bits_w, False)
+
+
+def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                  group: int, n: int, t: dict, block_k: int, bits_w: int, banded: bool) -> torch.Tensor:
+    """The split GEMV's launch, the operands checked: ``n`` weight rows, row by row or in bands."""
+    m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
@@ -343,7 +360,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        BANDED=False, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
+        BANDED=banded, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
     return y
 
 
@@ -392,17 +409,7 @@ def int4_gemv_banded_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
             offset is not None and not offset.is_contiguous():
         raise ValueError("int4 gemv (banded): x needs a contiguous last dim, packed, scales and offsets must be "
                          "contiguous")
-    if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
-    bits, base = _DOT_BASES[x.dtype]
-    _int4_gemv_split_kernel[(blocks, split)](
-        x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
-        m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
-        G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
-        HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16,
-        SPLIT=split > 1, BITS=4, BANDED=True, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
-    return y
+    return _launch_split(x, packed, scale, offset, group, n, t, block_k, 4, True)
 
 
 def split_takes(group: int, bits: int) -> bool:
@@ -496,7 +503,8 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
     kk = k0 + tl.arange(0, BLOCK_K)
     if BANDED:
-        sg = ((rows_in // BAND_ROWS) * stride_sn + (k0 // G) * BAND_ROWS + rows_in % BAND_ROWS)[:, None]
+        at, sg = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
+        sg = sg[:, None]
     elif BLOCK_K > G:  # chunks of several groups: a scale per column
         sg = rows_in[:, None] * stride_sn + (kk // G)[None, :]
     else:
@@ -505,8 +513,6 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
         if BANDED:
-            at = (rows_in // BAND_ROWS) * stride_qn + (rows_in % BAND_ROWS) * (BAND_COLS // 2) + \
-                (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + (k0 % BAND_COLS) // 2
             b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int32)
         else:
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
