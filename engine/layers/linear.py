@@ -260,14 +260,22 @@ class TritonGroupMethod(LinearMethod):
         if x2.shape[0] <= SPLIT_MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(-1) == 1:
             return int4_gemv_banded_triton(x2, self.packed, self.scale, self.offset, self.group, self.out_features)
         rows = max(dequant_block_rows(self.out_features, self.in_features) // BAND_ROWS * BAND_ROWS, BAND_ROWS)
+
+        def bands(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+            b0, b1 = r0 // BAND_ROWS, -(-r1 // BAND_ROWS)
+            return int4_dequantize_banded_triton(self.packed[b0:b1], self.scale[b0:b1],
+                                                 None if self.offset is None else self.offset[b0:b1], self.group, out)
+
+        return self._dequantized_product(x2, rows, bands)
+
+    def _dequantized_product(self, x2: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
+        """Prompt rows: the weight dequantized ``rows`` rows at a time (``dequantize(r0, r1,
+        out)``) into one reused buffer, each block's product a column block of the output."""
         buf = _dequant_buffer(x2.device, x2.dtype, min(rows, self.out_features) * self.in_features)
         blocks = []
         for r0 in range(0, self.out_features, rows):
             r1 = min(r0 + rows, self.out_features)
-            b0, b1 = r0 // BAND_ROWS, -(-r1 // BAND_ROWS)
-            w = int4_dequantize_banded_triton(self.packed[b0:b1], self.scale[b0:b1],
-                                              None if self.offset is None else self.offset[b0:b1], self.group,
-                                              buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
+            w = dequantize(r0, r1, buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
             blocks.append(x2 @ w.t())
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
@@ -294,16 +302,11 @@ class TritonGroupMethod(LinearMethod):
 
             return int4_gemv_dot_triton(x2, self.packed, self.scale, self.offset, self.group).view(
                 *lead, self.out_features)
-        rows = dequant_block_rows(self.out_features, self.in_features)
-        buf = _dequant_buffer(x.device, x.dtype, rows * self.in_features)
-        blocks = []
-        for r0 in range(0, self.out_features, rows):
-            r1 = min(r0 + rows, self.out_features)
-            w = int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
-                                       None if self.offset is None else self.offset[r0:r1], self.group,
-                                       buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
-            blocks.append(x2 @ w.t())
-        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        def rows_of(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+            return int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
+                                          None if self.offset is None else self.offset[r0:r1], self.group, out)
+
+        out = self._dequantized_product(x2, dequant_block_rows(self.out_features, self.in_features), rows_of)
         return out.view(*lead, self.out_features)
 
 
