@@ -158,8 +158,8 @@ _DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
               for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
 _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
-_BANDED_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
-                 for n, k, w, sp in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8), (None, 1, 2, 4, 8))]
+_BANDED_TILES = [{"BLOCK_N": n, "BLOCK_K": 128, "num_warps": w, "SPLIT": sp}  # a chunk is a band's tile
+                 for n, w, sp in itertools.product((64, 128, 256), (4, 8), (None, 1, 2, 4))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):

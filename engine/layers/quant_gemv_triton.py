@@ -34,9 +34,11 @@ from .triton_switch import INTERPRET
 
 DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
 # ``band_int4``'s layout: a band of BAND_ROWS weight rows holds its tiles of BAND_COLS columns one
-# after another, each tile its rows' bytes row after row (1 KiB at 4 bits)
+# after another, each tile its rows' bytes row after row (1 KiB at 4 bits), a row's byte j holding
+# the tile's column j and column j + BAND_COLS / 2 (so the input's two halves load as two vectors)
 BAND_ROWS = 16
 BAND_COLS = 128
+_PORTABLE = tl.constexpr(INTERPRET)  # no inline assembly in the kernels (the interpreter runs none)
 
 
 @triton.jit
@@ -213,6 +215,51 @@ def _band_at(rows_in, k0, stride_qn, stride_sn, G: tl.constexpr, BAND_ROWS: tl.c
 
 
 @triton.jit
+def _nibble_floats(b, dtype: tl.constexpr, BASE_BITS: tl.constexpr):
+    """The low and high nibbles of bytes ``b`` as the 16-bit floats ``BASE + q`` (``BASE_BITS``
+    the float's bits of BASE, whose last unit is 1): on the GPU four bytes at a time in one
+    register, a byte permute and a masked OR per two values (PTX ``prmt`` / ``lop3``), where
+    the compiler's byte-by-byte extraction took three; under the CPU interpreter, which runs no
+    assembly, by integer ops."""
+    if _PORTABLE:
+        w = b.to(tl.int16)
+        lo = ((w & 15) | BASE_BITS).to(dtype, bitcast=True)
+        hi = ((w >> 4) | BASE_BITS).to(dtype, bitcast=True)
+    else:
+        if BASE_BITS == 0x4300:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t<2>;
+                prmt.b32 t0, $4, 0, 0x4140;
+                prmt.b32 t1, $4, 0, 0x4342;
+                lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+                shr.b32 t0, t0, 4;
+                shr.b32 t1, t1, 4;
+                lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
+                }
+                """, constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t<2>;
+                prmt.b32 t0, $4, 0, 0x4140;
+                prmt.b32 t1, $4, 0, 0x4342;
+                lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+                shr.b32 t0, t0, 4;
+                shr.b32 t1, t1, 4;
+                lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xEA;
+                }
+                """, constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
 def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -243,16 +290,20 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     kk = tl.arange(0, BLOCK_K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
         if BITS == 4:
-            xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
-            xe = tl.load(xp, mask=mmask[:, None], other=0.0)
-            xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
+            if BANDED:  # a tile's low nibbles are its first BLOCK_K / 2 columns, the high ones the rest
+                xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + j)[None, :]
+                xe = tl.load(xp, mask=mmask[:, None], other=0.0)
+                xo = tl.load(xp + BLOCK_K // 2, mask=mmask[:, None], other=0.0)
+            else:
+                xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
+                xe = tl.load(xp, mask=mmask[:, None], other=0.0)
+                xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
             if BANDED:
                 at, _ = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
-                b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int16)
+                b = tl.load(q_ptr + at[:, None] + j[None, :])
             else:
-                b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int16)
-            lo = ((b & 15) | BASE_BITS).to(xe.dtype, bitcast=True)
-            hi = ((b >> 4) | BASE_BITS).to(xe.dtype, bitcast=True)
+                b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
+            lo, hi = _nibble_floats(b, xe.dtype, BASE_BITS)
             if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
                 r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
                     tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
@@ -280,6 +331,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
 
 
 SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+# over bands: 128 rows a program, where the instructions a byte are fewest (the input rows' loads,
+# sums and operand moves are per program and chunk, shared by more bytes; sm_90 SASS of the loop:
+# 229 warp instructions a KiB at 128 rows and 4 warps, 343 at 64 rows)
+BANDED_TILES = {"BLOCK_N": 128, "BLOCK_K": BAND_COLS, "num_warps": 4}
 SPLIT_MAX_ROWS = 64  # input rows the split GEMV takes (padded to a power of two from 16 for the tensor cores)
 SPLIT_PROGRAMS_PER_SM = 4  # K is split until the programs number about this many per SM
 _SMS: dict[int, int] = {}
@@ -365,9 +420,9 @@ def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, of
 
 
 def banded_takes(k: int, group: int, bits: int) -> bool:
-    """Whether ``band_int4`` takes a weight of ``k`` columns: 4-bit, in whole tiles, in groups the
-    split GEMV takes."""
-    return bits == 4 and k % BAND_COLS == 0 and split_takes(group, bits)
+    """Whether ``band_int4`` takes a weight of ``k`` columns: 4-bit, in whole tiles, in groups of
+    whole tiles (a chunk of the GEMV is one tile, one scale a row)."""
+    return bits == 4 and k % BAND_COLS == 0 and group % BAND_COLS == 0 and split_takes(group, bits)
 
 
 def band_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
@@ -375,12 +430,19 @@ def band_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     """``pack_int4``'s ``[N, K / 2]`` bytes and ``[N, K / G]`` scales (and offsets) in bands of
     ``BAND_ROWS`` rows (N padded with zero rows to whole bands): ``[N_pad / BAND_ROWS, BAND_ROWS * K /
     2]`` bytes, each band its tiles of ``BAND_COLS`` columns one after another and each tile its
-    rows' bytes row after row, so a program that walks K over a band reads one run of memory; the
-    scales ``[N_pad / BAND_ROWS, BAND_ROWS * K / G]``, each group's for the band's rows side by side."""
+    rows' bytes row after row, so a program that walks K over a band reads one run of memory; a
+    row's byte j of a tile holds the tile's column j (low nibble) and column ``j + BAND_COLS / 2``
+    (high), where ``pack_int4`` pairs even and odd columns: the input's two halves of a tile are
+    two contiguous vectors, not two strided gathers. The scales ``[N_pad / BAND_ROWS, BAND_ROWS *
+    K / G]``, each group's for the band's rows side by side. Groups of whole tiles only
+    (``banded_takes``)."""
     n, half = packed.shape
     pad = -n % BAND_ROWS
     bands = (n + pad) // BAND_ROWS
     p = torch.nn.functional.pad(packed, (0, 0, 0, pad)).view(bands, BAND_ROWS, half * 2 // BAND_COLS, BAND_COLS // 2)
+    # a tile's columns in halves: byte j holds column j (low nibble) and column j + BAND_COLS / 2
+    q = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+    p = q[..., : BAND_COLS // 2] | (q[..., BAND_COLS // 2:] << 4)
     out = p.permute(0, 2, 1, 3).contiguous().view(bands, BAND_ROWS * half)
 
     def side_by_side(t: torch.Tensor) -> torch.Tensor:
@@ -394,11 +456,11 @@ def band_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
 def int4_gemv_banded_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                             group: int, n: int, tiles: dict | None = None) -> torch.Tensor:
     """``int4_gemv_split_triton`` over a weight of ``n`` rows in ``band_int4``'s layout (tiles'
-    ``BLOCK_N`` a multiple of ``BAND_ROWS``, ``BLOCK_K`` at most ``BAND_COLS``)."""
+    ``BLOCK_N`` a multiple of ``BAND_ROWS``; a chunk is one tile of ``BAND_COLS`` columns)."""
     m, k = x.shape
     bands = -(-n // BAND_ROWS)
-    t = dict(SPLIT_TILES, **(tiles or {}))
-    block_k = min(t["BLOCK_K"], group & -group, BAND_COLS)
+    t = dict(BANDED_TILES, **(tiles or {}))
+    block_k = BAND_COLS  # a chunk is a tile: its bytes hold its two halves
     if not banded_takes(k, group, 4) or packed.dtype != torch.uint8 or x.dtype not in _DOT_BASES \
             or tuple(packed.shape) != (bands, BAND_ROWS * k // 2) or tuple(scale.shape) != (bands, BAND_ROWS * k // group) \
             or offset is not None and offset.shape != scale.shape or m > SPLIT_MAX_ROWS or t["BLOCK_N"] % BAND_ROWS:
@@ -512,11 +574,13 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
     s = tl.load(s_ptr + sg).to(tl.float32)
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
-        if BANDED:
+        if BANDED:  # a tile in halves (BLOCK_K == BAND_COLS): the low nibbles, then the high ones
             b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int32)
+            w = tl.reshape(tl.trans(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (0, 2, 1)),
+                           (BLOCK_N, BLOCK_K))
         else:
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
-        w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
+            w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
     else:
         w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
     w = w * s

@@ -340,8 +340,8 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 512, 128, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # 3 bands, the last padded
-    (3, 48, 384, 32, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "SPLIT": 2}),  # chunks of one group: 4 a tile
-    (2, 40, 256, 64, {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT": 1}),  # one block past the rows, y whole
+    (3, 48, 768, 256, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "SPLIT": 2}),  # groups of two tiles
+    (2, 40, 256, 128, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 1}),  # one block past the rows, y whole
     (8, 64, 1024, 128, None),  # the default tiles and split
 ])
 @pytest.mark.parametrize("with_offset", [False, True])
@@ -354,20 +354,25 @@ def test_int4_gemv_over_bands(m, n, k, group, tiles, with_offset, dtype):
 
 
 def test_band_int4_layout():
-    """``band_int4``: byte j of row r's tile t lies at ``band * 16 * K/2 + t * 1024 + (r % 16) * 64
-    + j``; a group's scales of a band side by side; rows past N are zero."""
-    from ninfer.engine.layers.quant_gemv_triton import band_int4
+    """``band_int4``: row r's tile t lies at ``band * 16 * K/2 + t * 1024 + (r % 16) * 64``, its
+    byte j holding column ``128 t + j`` in the low nibble and ``128 t + 64 + j`` in the high one;
+    a group's scales of a band side by side; rows past N are zero. Groups of less than a tile
+    keep the row layout (``banded_takes``)."""
+    from ninfer.engine.layers.quant_gemv_triton import band_int4, banded_takes, pack_int4
 
-    n, k, group = 20, 256, 64
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    n, k, group = 20, 512, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale = torch.rand(n, k // group).half()
-    pb, sb, ob = band_int4(packed, scale, -scale)
+    pb, sb, ob = band_int4(pack_int4(q), scale, -scale)
     assert pb.shape == (2, 16 * k // 2) and sb.shape == (2, 16 * k // group) and ob.shape == sb.shape
-    for r, c in [(0, 0), (5, 70), (17, 127), (19, 64), (16, 3)]:
-        assert pb[r // 16, (c // 64) * 1024 + (r % 16) * 64 + c % 64] == packed[r, c]
+    for r, c in [(0, 0), (5, 70), (17, 127), (19, 64), (16, 3), (7, 300), (2, 511)]:
+        byte = pb[r // 16, (c // 128) * 1024 + (r % 16) * 64 + c % 64]
+        assert (byte >> 4 if c % 128 >= 64 else byte & 15) == q[r, c]
     for r, g in [(3, 2), (19, 0), (16, 3)]:
         assert sb[r // 16, g * 16 + r % 16] == scale[r, g] and ob[r // 16, g * 16 + r % 16] == -scale[r, g]
-    assert pb[1].view(2, 16, 64)[:, 4:].eq(0).all() and sb[1].view(4, 16)[:, 4:].eq(0).all()
+    assert pb[1].view(4, 16, 64)[:, 4:].eq(0).all() and sb[1].view(4, 16)[:, 4:].eq(0).all()
+    assert banded_takes(k, 128, 4) and banded_takes(k, 256, 4) and not banded_takes(k, 64, 4)
+    assert not banded_takes(k, 32, 4) and not banded_takes(320, 64, 4) and not banded_takes(k, 128, 8)
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
@@ -435,9 +440,9 @@ def test_int4_triton_method_fused_projections(rows, bands, dtype, monkeypatch):
     parts, dense = [], []
     for out, offset in [(48, True), (16, True), (24, True)]:  # the last part's band padded
         q = torch.randint(0, 16, (out, 256), dtype=torch.uint8)
-        scale = (torch.rand(out, 4) * 0.02 + 0.001).half().float()
-        off = (torch.rand(out, 4) * -0.1).half().float() if offset else None
-        w = GroupQuantized(q, scale, off, 64, 4, "test")
+        scale = (torch.rand(out, 2) * 0.02 + 0.001).half().float()
+        off = (torch.rand(out, 2) * -0.1).half().float() if offset else None
+        w = GroupQuantized(q, scale, off, 128, 4, "test")
         lin = Linear(256, out, bias=False, device="meta")
         lin.take_quantized("p.weight", w)
         with launch.using(int4_bands=bands):
