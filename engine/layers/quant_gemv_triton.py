@@ -265,7 +265,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
                             SPLIT: tl.constexpr, BITS: tl.constexpr, BANDED: tl.constexpr,
-                            BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr):
+                            BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr, ONE_ROW: tl.constexpr):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -275,7 +275,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
     # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x). 8-bit
     # values (-128..127, a byte each) are converted as they are, exact in bf16 and fp16 (BASE 0).
-    # BANDED: a 4-bit weight in ``band_int4``'s layout (stride_qn and stride_sn a band's).
+    # BANDED: a 4-bit weight in ``band_int4``'s layout (stride_qn and stride_sn a band's). ONE_ROW: one input
+    # row (decode at batch 1): the sums of x from that row alone, not the 16 the dot pads to.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -309,7 +310,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                     tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
             else:
                 r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
-            xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+            if ONE_ROW:  # the sum of the one real row (the other 15 of the dot's are zeros)
+                xs = tl.where(m == 0, tl.sum(tl.load(x_ptr + k0 + kk).to(tl.float32), 0), 0.0)
+            else:
+                xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
         else:
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None],
                         other=0.0)
@@ -415,7 +419,7 @@ def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, of
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        BANDED=banded, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=t["num_warps"])
+        BANDED=banded, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, ONE_ROW=m == 1, num_warps=t["num_warps"])
     return y
 
 

@@ -589,12 +589,14 @@ def test_the_split_gemv_puts_its_arrival_counters_back():
     assert not qg._COUNTS[torch.device("cpu")].any()
 
 
-@pytest.mark.parametrize("bits, banded", [(4, False), (8, False), (4, True)], ids=["4bit", "8bit", "4bit-bands"])
+@pytest.mark.parametrize("bits, banded, one_row", [(4, False, False), (8, False, False), (4, True, False),
+                                                  (4, True, True)], ids=["4bit", "8bit", "4bit-bands", "4bit-bands-1"])
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
-def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded):
-    """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``; one split
-    writing the output, or several leaving fp32 partial planes that the last to arrive adds; a
-    4-bit weight row by row or in bands of 16 rows) lowers for sm_90."""
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded, one_row):
+    """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``, the nibbles
+    made floats by inline PTX; one split writing the output, or several leaving fp32 partial
+    planes that the last to arrive adds; a 4-bit weight row by row or in bands of 16 rows; the
+    sums of x from all 16 rows or from the one real row) lowers for sm_90."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
@@ -610,5 +612,6 @@ def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded):
          scale.shape[1], 48, 48),
         {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
          "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
-         "SPLIT": split > 1, "BITS": bits, "BANDED": banded, "BAND_ROWS": qg.BAND_ROWS, "BAND_COLS": qg.BAND_COLS})
+         "SPLIT": split > 1, "BITS": bits, "BANDED": banded, "BAND_ROWS": qg.BAND_ROWS, "BAND_COLS": qg.BAND_COLS,
+         "ONE_ROW": one_row})
     assert not kernel_lowering.lower_recorded([launch])
