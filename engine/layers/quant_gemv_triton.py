@@ -226,36 +226,23 @@ def _nibble_floats(b, dtype: tl.constexpr, BASE_BITS: tl.constexpr):
         lo = ((w & 15) | BASE_BITS).to(dtype, bitcast=True)
         hi = ((w >> 4) | BASE_BITS).to(dtype, bitcast=True)
     else:
-        if BASE_BITS == 0x4300:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t<2>;
-                prmt.b32 t0, $4, 0, 0x4140;
-                prmt.b32 t1, $4, 0, 0x4342;
-                lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-                shr.b32 t0, t0, 4;
-                shr.b32 t1, t1, 4;
-                lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
-                }
-                """, constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t<2>;
-                prmt.b32 t0, $4, 0, 0x4140;
-                prmt.b32 t1, $4, 0, 0x4342;
-                lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-                shr.b32 t0, t0, 4;
-                shr.b32 t1, t1, 4;
-                lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xEA;
-                }
-                """, constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        bits = tl.full(b.shape, BASE_BITS * 65537, tl.int32)  # BASE's bits in both halves of a word
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t<2>;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, $5, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, $5, 0xEA;
+            shr.b32 t0, t0, 4;
+            shr.b32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, $5, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, $5, 0xEA;
+            }
+            """, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[b, bits], dtype=(tl.int16, tl.int16), is_pure=True,
+            pack=4)
+        lo, hi = lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True)
     return lo, hi
 
 
