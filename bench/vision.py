@@ -42,7 +42,7 @@ import torch
 
 from ninfer.engine.config import ModelConfig
 
-from .decode import NullTokenizer, _sync, _timed, randomize_
+from .decode import NullTokenizer, _timed, randomize_
 from .shapes import PREPROCESSOR, VISION, vision_shape
 
 MEGAPIXEL_SIDE = 1024  # 1 MP: a 1024 x 1024 image

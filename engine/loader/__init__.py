@@ -68,7 +68,6 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    on_cpu = torch.device(device).type == "cpu"
     start = time.perf_counter()
     config = ckpt.config
     if mtp and (ckpt.mtp_weights is None or not config.mtp_layers):

@@ -84,7 +84,7 @@ def test_setup_on_an_nvidia_machine_takes_the_gpu_path_and_says_so(tmp_path):
     out = setup_dry_run(tmp_path, "serve", H200)
     assert "setup: GPU path (NVIDIA H200): a CUDA build of torch (torch==2.13.0) and the gpu extra" in out
     assert "would run: python3 -m venv" in out
-    assert f"pip install -q torch==2.13.0\n" in out and f"pip install -q -e {ROOT}[gpu]\n" in out
+    assert "pip install -q torch==2.13.0\n" in out and f"pip install -q -e {ROOT}[gpu]\n" in out
 
 
 def test_setup_replaces_a_cpu_torch_for_the_gpu_path(tmp_path):

@@ -8,7 +8,6 @@ import asyncio
 import random
 import threading
 
-import pytest
 
 from ninfer.engine.async_engine import AsyncEngine, EngineError
 from ninfer.engine.engine_config import EngineConfig

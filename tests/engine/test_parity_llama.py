@@ -5,7 +5,6 @@ import pytest
 import torch
 import transformers
 
-from ninfer.engine.cache.sequence import SequenceCache
 from ninfer.engine.loader.hf_loader import load_hf_dir
 from ninfer.engine.models.base import CausalLM, ForwardBatch
 from ninfer.engine.models.registry import build_model

@@ -49,7 +49,7 @@ def test_a_conversation_whose_answers_are_rewritten_goes_on_from_its_last_prompt
     for t in range(3):
         got, hit = run(eng, [req(f"t{t}", ids, checkpoint_answer=False)])[f"t{t}"]
         cached.append(hit)
-        prompt_len, ids = len(ids), ids + got + [9 + t, 10, 11]
+        ids = ids + got + [9 + t, 10, 11]
     assert cached == [0, 37, 37 + 8 + 3]
     assert len(eng.caches.prefix) == 3 and eng.caches.idle()  # one per prompt, none per answer
 

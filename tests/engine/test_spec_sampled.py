@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from ninfer.engine.engine import LLMEngine
-from ninfer.engine.loader import load_checkpoint, load_model
 from ninfer.engine.request import Request
 from ninfer.engine.sampler import Sampler, make_generator
 from ninfer.engine.sampling_params import SamplingParams

@@ -235,7 +235,7 @@ def test_no_secret_reaches_stdout_stderr_or_the_request_log(server):
     output = proc.log_path.read_text(errors="replace")  # stdout and stderr, as the process wrote them
     records = [json.loads(line) for line in log.read_text().splitlines()]
     # the test sees what it checks: access lines for the web page and the refused model, log records
-    assert f'"GET / HTTP/1.1" 200' in output and '"GET /v1/models/{model_id:path} HTTP/1.1" 404' in output
+    assert '"GET / HTTP/1.1" 200' in output and '"GET /v1/models/{model_id:path} HTTP/1.1" 404' in output
     events = [r["event"] for r in records]
     assert events.count("request_rejected") >= 60 and events.count("request_done") >= 20, events
     rejected = [r["error"] for r in records if r["event"] == "request_rejected"]

@@ -16,7 +16,7 @@ from ninfer.server.app import create_app
 from ninfer.server.bootstrap import build_state
 from ninfer.server.cli import build_parser
 from support.live_server import LiveServer
-from support.tiny import TINY_MAX_PIXELS, save_tiny_qwen3_5_vl, tiny_png
+from support.tiny import save_tiny_qwen3_5_vl, tiny_png
 
 MODEL = "tiny-vl"
 PNG = tiny_png(40, 24, seed=3)  # 6 x 10 patches: 15 tokens
