@@ -90,10 +90,17 @@ class LaunchSettings:
     gdn_verify_tiles: dict = field(default_factory=lambda: {"BLOCK_V": 32, "num_warps": 4})
     # a step's Gated DeltaNet prompt rows run through the verify kernel's recurrent form (one
     # launch, each row's final states copied into its slot: ``backends.TritonLinearAttention``)
-    # when none is longer than this many tokens, else through the Triton conv and fla-core's
-    # chunked rule (0: always the chunked form, until a GPU measures where the recurrent one wins:
-    # ``bench.decode --set gdn_recurrent_prompt_tokens=N``)
-    gdn_recurrent_prompt_tokens: int = 0
+    # when none is longer than ``gdn_recurrent_prompt_tokens`` and the rows times the longest come
+    # to at most ``gdn_recurrent_step_tokens``, else through the Triton conv and fla-core's chunked
+    # rule (0: always the chunked form). The recurrent form walks each row token by token in one
+    # launch; the chunked one costs about a millisecond of host time a layer. H100, 9B shape, one
+    # prompt beside 8 decoding requests (bench.decode --prefill N --beside 8): 64 tokens 5,936
+    # against 2,824 tok/s, their gap p99 1.7x against 3.6x alone; 128: 11,592 / 5,655, 1.7x / 3.7x;
+    # 256: 14,699 / 10,974; 512: 15,468 / 21,619 (the chunked form ahead). 64 streams of
+    # 200-token prompts through the recurrent form: 4,102 against 4,501 tok/s, TTFT p99 0.85 s
+    # against 0.47 s (many rows: the GPU, not the host, sets the pace)
+    gdn_recurrent_prompt_tokens: int = 128
+    gdn_recurrent_step_tokens: int = 256
     # steps with prompt rows of up to this many tokens replayed from CUDA graphs in pieces, the
     # token mixers' cores eager between them (``cuda_graph_mixed.py``; 0: every such step eager;
     # on an H200 the 9B's 512-token prompt 9,779 -> 20,368 tok/s)

@@ -222,8 +222,8 @@ class TritonLinearAttention(TorchLinearAttention):
         return gdn_verify_triton(*args)
 
     def prompt(self, layer, groups, a, b, meta) -> torch.Tensor:
-        """Every prompt row in one call per kernel (CUDA): rows of a few tokens (the launch
-        setting ``gdn_recurrent_prompt_tokens``) through the verify kernel's recurrent form, each
+        """Every prompt row in one call per kernel (CUDA): a few rows of a few tokens (the launch
+        settings ``gdn_recurrent_prompt_tokens``, ``gdn_recurrent_step_tokens``) through the verify kernel's recurrent form, each
         row's final states then copied into its slot; longer ones through the Triton conv and
         fla-core's chunked rule, or fla-core's varlen conv and rule where key and value heads
         differ in size."""
@@ -231,7 +231,9 @@ class TritonLinearAttention(TorchLinearAttention):
 
         gi, d = meta.gdn_ordinal[layer.layer_idx], meta.num_decode
         conv_pool, rec_pool, slots = meta.states.conv[gi], meta.states.recurrent[gi], meta.slot_ids[d:]
-        if meta.prompt.max_seqlen <= launch.current().gdn_recurrent_prompt_tokens:
+        settings, longest = launch.current(), meta.prompt.max_seqlen
+        if longest <= settings.gdn_recurrent_prompt_tokens and \
+                longest * len(meta.prompt.slots_host) <= settings.gdn_recurrent_step_tokens:
             return self.short_rows(layer, groups, a, b, conv_pool, rec_pool, slots, meta.prompt)
         if layer.head_k_dim == layer.head_v_dim:
             return layer._mix_prompt_rows(groups, a, b, conv_pool, rec_pool, slots, meta.prompt)

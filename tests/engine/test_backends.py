@@ -34,3 +34,34 @@ def test_steps_through_the_torch_backend_keep_the_reference_tokens(name, tmp_pat
     parts = load_parts(name, tmp_path_factory)
     use_backends(parts[0], Backends.named("torch"))
     assert run(parts) == reference(parts)
+
+
+@pytest.mark.parametrize("widths, recurrent", [
+    ((65,), True),  # a returning turn's new tokens
+    ((128, 100), True),  # 2 x 128: the step's 256
+    ((100, 100, 90), False),  # 3 x 100 past the step's 256
+    ((64, 3, 50, 7), True),  # 4 x 64
+    ((129,), False),  # a row past 128
+    ((200,) * 10, False),  # a burst of short prompts: the GPU sets the pace, the chunked form wins
+])
+def test_which_gated_deltanet_prompt_rows_take_the_recurrent_form(widths, recurrent, monkeypatch):
+    """On the GPU a step's prompt rows go through the verify kernel's recurrent form when they
+    are few and short (``gdn_recurrent_prompt_tokens``, ``gdn_recurrent_step_tokens``), else
+    through the conv and the chunked rule; a setting of 0 keeps every step on the chunked form."""
+    from types import SimpleNamespace
+
+    from ninfer.engine import launch
+    from ninfer.engine.layers.backends import TritonLinearAttention
+
+    taken = []
+    monkeypatch.setattr(TritonLinearAttention, "short_rows", staticmethod(lambda *a: taken.append("recurrent")))
+    layer = SimpleNamespace(layer_idx=3, head_k_dim=128, head_v_dim=128,
+                            _mix_prompt_rows=lambda *a: taken.append("chunked"))
+    meta = SimpleNamespace(gdn_ordinal={3: 0}, num_decode=2, slot_ids=torch.arange(2 + len(widths)),
+                           states=SimpleNamespace(conv=[None], recurrent=[None]),
+                           prompt=SimpleNamespace(max_seqlen=max(widths), slots_host=list(range(len(widths)))))
+    backend = TritonLinearAttention()
+    backend.prompt(layer, (None,), None, None, meta)
+    with launch.using(gdn_recurrent_prompt_tokens=0):
+        backend.prompt(layer, (None,), None, None, meta)
+    assert taken == ["recurrent" if recurrent else "chunked", "chunked"]
