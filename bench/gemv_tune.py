@@ -19,8 +19,8 @@ MLP gate/up) as ``norm_linear`` runs them: the GEMV with the add + RMSNorm in fr
 ``--int4``: the same projections with 4-bit weights in groups of 128 (scales and offsets fp16) as
 ``int4_gemv_triton`` runs them per tile choice (prompt rows: ``int4_dequantize_triton`` then
 cuBLAS), its tensor-core form (``int4_gemv_dot_triton``, best tiles), the split-K form
-(``int4_gemv_split_triton``), the same over the weight in bands (``band_int4``,
-``int4_gemv_banded_triton``; ``--forms`` picks the forms swept) and torch's tinygemm, against bf16 cuBLAS on the dense weight; TB/s counts the packed
+(``int4_gemv_split_triton``; ``--forms`` picks the forms swept) and torch's tinygemm, against bf16
+cuBLAS on the dense weight; TB/s counts the packed
 bytes, the scales and the offsets.
 """
 from __future__ import annotations
@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from ninfer.engine.layers import gemv_triton as gt
 from ninfer.engine.layers.fused_linear import decode_linear, gemv_tiles
 from ninfer.engine.layers.norm_triton import add_rms_norm_triton
-from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, band_int4, banded_takes, int4_dequantize_triton,
-                                                    int4_gemv_banded_triton, int4_gemv_dot_triton,
+from ninfer.engine.layers.quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_dot_triton,
                                                     int4_gemv_split_triton, int4_gemv_triton)
 
 from .gpu_env import graph_time_us
@@ -158,8 +157,6 @@ _DOT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
               for n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (2, 4, 8))]
 _SPLIT_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "SPLIT": sp}
                 for n, k, w, sp in itertools.product((32, 64, 128), (64, 128), (4, 8), (None, 1, 2, 4, 8))]
-_BANDED_TILES = [{"BLOCK_N": n, "BLOCK_K": 128, "num_warps": w, "SPLIT": sp}  # a chunk is a band's tile
-                 for n, w, sp in itertools.product((64, 128, 256), (4, 8), (None, 1, 2, 4))]
 
 
 def tinygemm_pack(q0: torch.Tensor, s0: torch.Tensor, o0: torch.Tensor, inner_k_tiles: int = 8):
@@ -191,7 +188,7 @@ def _sweep_tiles(gemv, tile_list: list[dict], label: str, x: torch.Tensor, packs
     return best
 
 
-INT4_FORMS = ("split", "banded", "dot", "gemv")
+INT4_FORMS = ("split", "dot", "gemv")
 
 
 def tune_int4(n: int, k: int, rows: list[int], graph_mb: float, group: int = 128,
@@ -211,7 +208,6 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
     cols = torch.stack([lo, hi], -1).view(n, k)
     w0 = (cols.view(n, k // group, group) * s0.float()[..., None] + o0.float()[..., None]).view(n, k)
     tiny = [tinygemm_pack(*p) for p in packs]
-    bands = [band_int4(*p) for p in packs] if banded_takes(k, group, 4) else []
     results = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -232,10 +228,10 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
             bad.append(f"dequantize + cuBLAS {us:.1f} us ({cublas / us:.2f}x bf16), rel err {err:.4f}")
             del scratch
 
-        def best_and_default(gemv, tile_list: list[dict], label: str, name: str, held: list = packs) -> None:
+        def best_and_default(gemv, tile_list: list[dict], label: str, name: str) -> None:
             """``gemv``'s best tiles and its default ones, noted in ``bad`` under ``name``."""
-            best_tiles = _sweep_tiles(gemv, tile_list, label, x, held, group, copies, ref, bad)
-            default_us = graph_time_us(lambda c: gemv(x, *held[c], group), copies)
+            best_tiles = _sweep_tiles(gemv, tile_list, label, x, packs, group, copies, ref, bad)
+            default_us = graph_time_us(lambda c: gemv(x, *packs[c], group), copies)
             if best_tiles is not None:
                 tiles, us = best_tiles
                 bad.append(f"{name} best {tiles} {us:.1f} us ({nbytes / 1e6 / us:.2f} TB/s, {cublas / us:.2f}x "
@@ -243,11 +239,6 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
 
         if m <= SPLIT_MAX_ROWS and "split" in forms:  # the split-K form for decode and verify rows
             best_and_default(int4_gemv_split_triton, _SPLIT_TILES, "split ", "split-K GEMV")
-        if m <= SPLIT_MAX_ROWS and "banded" in forms and banded_takes(k, group, 4):  # ... over bands of 16 rows
-            def banded(x, p, s, o, group, tiles=None):
-                return int4_gemv_banded_triton(x, p, s, o, group, n, tiles)
-
-            best_and_default(banded, _BANDED_TILES, "banded ", "banded split-K GEMV", bands)
         if m <= 16 and "dot" in forms:  # the GEMV's tensor-core form (int4_gemv_dot_triton), its best tiles
             dot = _sweep_tiles(int4_gemv_dot_triton, _DOT_TILES, "dot ", x, packs, group, copies, ref, bad)
             if dot is not None:
@@ -260,7 +251,6 @@ rows) and torch's tinygemm, against bf16 cuBLAS, at
     packs.clear()
     dense.clear()
     tiny.clear()
-    bands.clear()
     torch.cuda.empty_cache()
     return results
 
@@ -280,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--norm", action="store_true", help="the pre-norm projections with the add + norm in front")
     p.add_argument("--int4", action="store_true", help="4-bit weights (int4_gemv_triton) against bf16 cuBLAS")
     p.add_argument("--forms", default=",".join(INT4_FORMS),
-                   help="--int4: the GEMV forms swept (split, banded, dot, gemv), beside tinygemm")
+                   help="--int4: the GEMV forms swept (split, dot, gemv), beside tinygemm")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")

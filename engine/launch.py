@@ -108,9 +108,6 @@ class LaunchSettings:
     # decode and verify rows (up to 64) of a 4-bit or 8-bit weight through the split-K GEMV on the tensor
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
     int4_split_gemv: bool = True
-    # 4-bit weights held in bands of 16 rows at load (``quant_gemv_triton.band_int4``: a program of
-    # the split GEMV walking K reads runs of 1 KiB, not 64 bytes a row), where their shape allows
-    int4_bands: bool = True
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

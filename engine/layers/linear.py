@@ -222,51 +222,25 @@ def _dequant_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> tor
 class TritonGroupMethod(LinearMethod):
     """A 4-bit or 8-bit weight for the Triton kernels: ``packed`` ``[out, in / 2]`` uint8
     (``pack_int4``) or int8 ``[out, in]``, ``scale`` and ``offset`` (None: symmetric) fp16
-    ``[out, in / group]``; or, given ``rows`` (the weight's), a 4-bit one in bands of 16 rows
-    (``quant_gemv_triton.band_int4``), as ``from_groups`` holds it where the shape allows."""
+    ``[out, in / group]``."""
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
-                 rows: int | None = None) -> None:
-        from .quant_gemv_triton import BAND_ROWS
-
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int) -> None:
         super().__init__()
         self.group = group
         self.bits = 8 if packed.dtype == torch.int8 else 4
-        self.banded = rows is not None
-        self.out_features = int(packed.shape[0]) if rows is None else rows
-        self.in_features = int(packed.shape[1]) * (8 // self.bits) // (BAND_ROWS if self.banded else 1)
+        self.out_features = int(packed.shape[0])
+        self.in_features = int(packed.shape[1]) * (8 // self.bits)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("offset", offset, persistent=False)
 
     @classmethod
     def from_groups(cls, w: GroupQuantized, device: torch.device) -> "TritonGroupMethod":
-        from .. import launch
-        from .quant_gemv_triton import band_int4, banded_takes, pack_int4
+        from .quant_gemv_triton import pack_int4
 
         held = pack_int4(w.q) if w.bits == 4 else w.q.to(torch.int8).contiguous()
         scale, offset = w.scale.to(torch.float16), None if w.offset is None else w.offset.to(torch.float16)
-        if launch.current().int4_bands and banded_takes(w.shape[1], w.group, w.bits):
-            return cls(*(None if t is None else t.to(device) for t in band_int4(held, scale, offset)), w.group,
-                       rows=w.shape[0])
         return cls(held.to(device), scale.to(device), None if offset is None else offset.to(device), w.group)
-
-    def _banded_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """Decode and verify rows through the split GEMV over the bands; prompt rows dequantized
-        in blocks of whole bands, then cuBLAS."""
-        from .quant_gemv_triton import (BAND_ROWS, SPLIT_MAX_ROWS, int4_dequantize_banded_triton,
-                                        int4_gemv_banded_triton)
-
-        if x2.shape[0] <= SPLIT_MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(-1) == 1:
-            return int4_gemv_banded_triton(x2, self.packed, self.scale, self.offset, self.group, self.out_features)
-        rows = max(dequant_block_rows(self.out_features, self.in_features) // BAND_ROWS * BAND_ROWS, BAND_ROWS)
-
-        def bands(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
-            b0, b1 = r0 // BAND_ROWS, -(-r1 // BAND_ROWS)
-            return int4_dequantize_banded_triton(self.packed[b0:b1], self.scale[b0:b1],
-                                                 None if self.offset is None else self.offset[b0:b1], self.group, out)
-
-        return self._dequantized_product(x2, rows, bands)
 
     def _dequantized_product(self, x2: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
         """Prompt rows: the weight dequantized ``rows`` rows at a time (``dequantize(r0, r1,
@@ -286,8 +260,6 @@ class TritonGroupMethod(LinearMethod):
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.banded:
-            return self._banded_forward(x2).view(*lead, self.out_features)
         pow2 = self.group >= 16 and not self.group & (self.group - 1)
         settings = launch.current()
         if x2.shape[0] <= SPLIT_MAX_ROWS and split_takes(self.group, self.bits) \
@@ -451,21 +423,15 @@ def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
 
 
 def _fuse_triton(methods: list[TritonGroupMethod]) -> TritonGroupMethod | None:
-    from .quant_gemv_triton import BAND_ROWS
-
     first = methods[0]
     if any(m.group != first.group or m.bits != first.bits or m.in_features != first.in_features or
-           (m.offset is None) != (first.offset is None) or m.banded != first.banded for m in methods):
+           (m.offset is None) != (first.offset is None) for m in methods):
         return None
-    if first.banded and any(m.out_features % BAND_ROWS for m in methods[:-1]):
-        return None  # a part before the last ends inside a band
     fused = TritonGroupMethod(torch.cat([m.packed for m in methods]), torch.cat([m.scale for m in methods]),
-                             None if first.offset is None else torch.cat([m.offset for m in methods]), first.group,
-                             rows=sum(m.out_features for m in methods) if first.banded else None)
+                             None if first.offset is None else torch.cat([m.offset for m in methods]), first.group)
     start = 0
-    step = BAND_ROWS if first.banded else 1  # tensors' rows a part's row takes
     for m in methods:  # each part's tensors become views of the fused ones, as dense weights do
-        end = start + -(-m.out_features // step)
+        end = start + m.out_features
         m.packed, m.scale = fused.packed[start:end], fused.scale[start:end]
         if m.offset is not None:
             m.offset = fused.offset[start:end]

@@ -33,11 +33,6 @@ import triton.language as tl
 from .triton_switch import INTERPRET
 
 DEFAULT_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
-# ``band_int4``'s layout: a band of BAND_ROWS weight rows holds its tiles of BAND_COLS columns one
-# after another, each tile its rows' bytes row after row (1 KiB at 4 bits), a row's byte j holding
-# the tile's column j and column j + BAND_COLS / 2 (so the input's two halves load as two vectors)
-BAND_ROWS = 16
-BAND_COLS = 128
 _PORTABLE = tl.constexpr(INTERPRET)  # no inline assembly in the kernels (the interpreter runs none)
 
 
@@ -204,17 +199,6 @@ def _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS
 
 
 @triton.jit
-def _band_at(rows_in, k0, stride_qn, stride_sn, G: tl.constexpr, BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr):
-    """In ``band_int4``'s layout: where each of ``rows_in``'s bytes of the chunk from column ``k0``
-    start (its band, tile ``k0 // BAND_COLS``, row ``r % BAND_ROWS`` of it), and where its scale
-    of the chunk's group lies (a group's scales of a band side by side)."""
-    band, r = rows_in // BAND_ROWS, rows_in % BAND_ROWS
-    at = band * stride_qn + r * (BAND_COLS // 2) + (k0 // BAND_COLS) * (BAND_ROWS * BAND_COLS // 2) + \
-        (k0 % BAND_COLS) // 2
-    return at, band * stride_sn + (k0 // G) * BAND_ROWS + r
-
-
-@triton.jit
 def _nibble_floats(b, dtype: tl.constexpr, BASE_BITS: tl.constexpr):
     """The low and high nibbles of bytes ``b`` as the 16-bit floats ``BASE + q`` (``BASE_BITS``
     the float's bits of BASE, whose last unit is 1): on the GPU four bytes at a time in one
@@ -251,8 +235,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr, BITS: tl.constexpr, BANDED: tl.constexpr,
-                            BAND_ROWS: tl.constexpr, BAND_COLS: tl.constexpr, ONE_ROW: tl.constexpr):
+                            SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -262,8 +245,8 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     # are two dots against x's even and odd columns), BASE * sum(x) taken off per chunk with the
     # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x). 8-bit
     # values (-128..127, a byte each) are converted as they are, exact in bf16 and fp16 (BASE 0).
-    # BANDED: a 4-bit weight in ``band_int4``'s layout (stride_qn and stride_sn a band's). ONE_ROW: one input
-    # row (decode at batch 1): the sums of x from that row alone, not the 16 the dot pads to.
+    # ONE_ROW: one input row (decode at batch 1): the sums of x from that row alone, not the 16 the
+    # dot pads to.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -278,19 +261,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     kk = tl.arange(0, BLOCK_K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
         if BITS == 4:
-            if BANDED:  # a tile's low nibbles are its first BLOCK_K / 2 columns, the high ones the rest
-                xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + j)[None, :]
-                xe = tl.load(xp, mask=mmask[:, None], other=0.0)
-                xo = tl.load(xp + BLOCK_K // 2, mask=mmask[:, None], other=0.0)
-            else:
-                xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
-                xe = tl.load(xp, mask=mmask[:, None], other=0.0)
-                xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
-            if BANDED:
-                at, _ = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
-                b = tl.load(q_ptr + at[:, None] + j[None, :])
-            else:
-                b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
+            xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
+            xe = tl.load(xp, mask=mmask[:, None], other=0.0)
+            xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
             lo, hi = _nibble_floats(b, xe.dtype, BASE_BITS)
             if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
                 r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
@@ -310,10 +284,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             else:
                 r = tl.dot(x, tl.trans(w.to(x.dtype)))
             xs = tl.sum(x.to(tl.float32), 1)
-        if BANDED:
-            _, sg = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
-        else:
-            sg = rows_in * stride_sn + k0 // G
+        sg = rows_in * stride_sn + k0 // G
         sc = tl.load(s_ptr + sg).to(tl.float32)
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
         if HAS_OFFSET:
@@ -322,10 +293,6 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
 
 
 SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
-# over bands: 128 rows a program, where the instructions a byte are fewest (the input rows' loads,
-# sums and operand moves are per program and chunk, shared by more bytes; sm_90 SASS of the loop:
-# 229 warp instructions a KiB at 128 rows and 4 warps, 343 at 64 rows)
-BANDED_TILES = {"BLOCK_N": 128, "BLOCK_K": BAND_COLS, "num_warps": 4}
 SPLIT_MAX_ROWS = 64  # input rows the split GEMV takes (padded to a power of two from 16 for the tensor cores)
 SPLIT_PROGRAMS_PER_SM = 4  # K is split until the programs number about this many per SM
 _SMS: dict[int, int] = {}
@@ -389,12 +356,12 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                          "contiguous")
     t = dict(SPLIT_TILES, **(tiles or {}))
     block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
-    return _launch_split(x, packed, scale, offset, group, n, t, block_k, bits_w, False)
+    return _launch_split(x, packed, scale, offset, group, n, t, block_k, bits_w)
 
 
 def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                  group: int, n: int, t: dict, block_k: int, bits_w: int, banded: bool) -> torch.Tensor:
-    """The split GEMV's launch, the operands checked: ``n`` weight rows, row by row or in bands."""
+                  group: int, n: int, t: dict, block_k: int, bits_w: int) -> torch.Tensor:
+    """The split GEMV's launch, the operands checked: ``n`` weight rows."""
     m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -406,63 +373,8 @@ def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, of
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        BANDED=banded, BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, ONE_ROW=m == 1, num_warps=t["num_warps"])
+        ONE_ROW=m == 1, num_warps=t["num_warps"])
     return y
-
-
-def banded_takes(k: int, group: int, bits: int) -> bool:
-    """Whether ``band_int4`` takes a weight of ``k`` columns: 4-bit, in whole tiles, in groups of
-    whole tiles (a chunk of the GEMV is one tile, one scale a row)."""
-    return bits == 4 and k % BAND_COLS == 0 and group % BAND_COLS == 0 and split_takes(group, bits)
-
-
-def band_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``pack_int4``'s ``[N, K / 2]`` bytes and ``[N, K / G]`` scales (and offsets) in bands of
-    ``BAND_ROWS`` rows (N padded with zero rows to whole bands): ``[N_pad / BAND_ROWS, BAND_ROWS * K /
-    2]`` bytes, each band its tiles of ``BAND_COLS`` columns one after another and each tile its
-    rows' bytes row after row, so a program that walks K over a band reads one run of memory; a
-    row's byte j of a tile holds the tile's column j (low nibble) and column ``j + BAND_COLS / 2``
-    (high), where ``pack_int4`` pairs even and odd columns: the input's two halves of a tile are
-    two contiguous vectors, not two strided gathers. The scales ``[N_pad / BAND_ROWS, BAND_ROWS *
-    K / G]``, each group's for the band's rows side by side. Groups of whole tiles only
-    (``banded_takes``)."""
-    n, half = packed.shape
-    pad = -n % BAND_ROWS
-    bands = (n + pad) // BAND_ROWS
-    p = torch.nn.functional.pad(packed, (0, 0, 0, pad)).view(bands, BAND_ROWS, half * 2 // BAND_COLS, BAND_COLS // 2)
-    # a tile's columns in halves: byte j holds column j (low nibble) and column j + BAND_COLS / 2
-    q = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
-    p = q[..., : BAND_COLS // 2] | (q[..., BAND_COLS // 2:] << 4)
-    out = p.permute(0, 2, 1, 3).contiguous().view(bands, BAND_ROWS * half)
-
-    def side_by_side(t: torch.Tensor) -> torch.Tensor:
-        g = t.shape[1]
-        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(bands, BAND_ROWS, g).transpose(1, 2).contiguous() \
-            .view(bands, BAND_ROWS * g)
-
-    return out, side_by_side(scale), None if offset is None else side_by_side(offset)
-
-
-def int4_gemv_banded_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                            group: int, n: int, tiles: dict | None = None) -> torch.Tensor:
-    """``int4_gemv_split_triton`` over a weight of ``n`` rows in ``band_int4``'s layout (tiles'
-    ``BLOCK_N`` a multiple of ``BAND_ROWS``; a chunk is one tile of ``BAND_COLS`` columns)."""
-    m, k = x.shape
-    bands = -(-n // BAND_ROWS)
-    t = dict(BANDED_TILES, **(tiles or {}))
-    block_k = BAND_COLS  # a chunk is a tile: its bytes hold its two halves
-    if not banded_takes(k, group, 4) or packed.dtype != torch.uint8 or x.dtype not in _DOT_BASES \
-            or tuple(packed.shape) != (bands, BAND_ROWS * k // 2) or tuple(scale.shape) != (bands, BAND_ROWS * k // group) \
-            or offset is not None and offset.shape != scale.shape or m > SPLIT_MAX_ROWS or t["BLOCK_N"] % BAND_ROWS:
-        raise ValueError(f"int4 gemv (banded): x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
-                         f"{packed.dtype}, scales {tuple(scale.shape)} in groups of {group} do not make {n} rows "
-                         f"(tiles {t})")
-    if k > 1 and x.stride(1) != 1 or not (packed.is_contiguous() and scale.is_contiguous()) or \
-            offset is not None and not offset.is_contiguous():
-        raise ValueError("int4 gemv (banded): x needs a contiguous last dim, packed, scales and offsets must be "
-                         "contiguous")
-    return _launch_split(x, packed, scale, offset, group, n, t, block_k, 4, True)
 
 
 def split_takes(group: int, bits: int) -> bool:
@@ -547,31 +459,21 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @triton.jit
 def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                         BITS: tl.constexpr, BANDED: tl.constexpr, BAND_ROWS: tl.constexpr,
-                         BAND_COLS: tl.constexpr):
-    # BANDED: a 4-bit weight in ``band_int4``'s layout (BLOCK_K at most the group and BAND_COLS)
+                         BITS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rmask = rows < N
     rows_in = tl.minimum(rows, N - 1).to(tl.int64)
     kk = k0 + tl.arange(0, BLOCK_K)
-    if BANDED:
-        at, sg = _band_at(rows_in, k0, stride_qn, stride_sn, G, BAND_ROWS, BAND_COLS)
-        sg = sg[:, None]
-    elif BLOCK_K > G:  # chunks of several groups: a scale per column
+    if BLOCK_K > G:  # chunks of several groups: a scale per column
         sg = rows_in[:, None] * stride_sn + (kk // G)[None, :]
     else:
         sg = rows_in[:, None] * stride_sn + k0 // G
     s = tl.load(s_ptr + sg).to(tl.float32)
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
-        if BANDED:  # a tile in halves (BLOCK_K == BAND_COLS): the low nibbles, then the high ones
-            b = tl.load(q_ptr + at[:, None] + j[None, :]).to(tl.int32)
-            w = tl.reshape(tl.trans(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (0, 2, 1)),
-                           (BLOCK_N, BLOCK_K))
-        else:
-            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
-            w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
+        b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
+        w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
     else:
         w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
     w = w * s
@@ -595,24 +497,5 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
     bk = chunk_columns(128, group, k)
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
-        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, BANDED=False,
-        BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=4)
-    return out
-
-
-def int4_dequantize_banded_triton(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
-                                  out: torch.Tensor) -> torch.Tensor:
-    """``int4_dequantize_triton`` from ``band_int4``'s layout: ``out`` ``[N, K]`` = the first N
-    rows of the bands ``packed`` ``[bands, BAND_ROWS * K / 2]`` holds (N over the bands before the last)."""
-    n, k = out.shape
-    bands = packed.shape[0]
-    if not banded_takes(k, group, 4) or packed.dtype != torch.uint8 or tuple(packed.shape) != (bands, BAND_ROWS * k // 2) \
-            or tuple(scale.shape) != (bands, BAND_ROWS * k // group) or not (bands - 1) * BAND_ROWS < n <= bands * BAND_ROWS:
-        raise ValueError(f"int4 dequantize (banded): packed {tuple(packed.shape)}, scales {tuple(scale.shape)} in "
-                         f"groups of {group} do not make {tuple(out.shape)}")
-    bk = min(group, BAND_COLS)
-    _int4_dequant_kernel[(bands, k // bk)](
-        packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
-        out.stride(0), G=group, BLOCK_N=BAND_ROWS, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=4, BANDED=True,
-        BAND_ROWS=BAND_ROWS, BAND_COLS=BAND_COLS, num_warps=4)
+        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)
     return out

@@ -171,26 +171,3 @@ def test_programmatic_dependent_launch_decodes_as_without(ckpt, mode, set_launch
     set_launch(pdl=mode)
     assert pdl.pdl_options(torch.empty(1, device="cuda"))["PDL"] == {"first": 1, "late": 2}[mode]
     assert _greedy(model, ckpt.tokenizer) == plain
-
-
-def test_int4_weights_in_bands_give_the_row_layouts_logits_and_tokens(tmp_path):
-    """A Qwen3.5 of 128-wide projections quantized at load (``--weights int4``) on the GPU: held in
-    bands of 16 rows (the default) it gives the logits of its weights held row by row (prompt rows:
-    dequantized blocks; decode rows: the split GEMV) and the same greedy tokens in CUDA graphs."""
-    from ninfer.engine import launch
-    from support.tiny import save_wide_qwen3_5
-
-    path = save_wide_qwen3_5(tmp_path / "ckpt", 128, noise=0.3)  # loud: greedy tokens far from ties
-    ckpt = load_checkpoint(path)
-    models = {}
-    for bands in (True, False):
-        with launch.using(int4_bands=bands):
-            models[bands] = load_model(ckpt, "cuda", torch.bfloat16, weights="int4")
-    held = [m for m in models[True].modules() if type(m).__name__ == "TritonGroupMethod"]
-    assert held and all(m.banded for m in held)
-    assert not any(m.banded for m in models[False].modules() if type(m).__name__ == "TritonGroupMethod")
-    ids = ckpt.tokenizer.encode("Hello world! How are you today? The quick brown fox jumps over the lazy dog. " * 3)
-    banded, rows = prompt_logits(models[True], ids, "cuda"), prompt_logits(models[False], ids, "cuda")
-    assert rel(banded, rows) < 1e-2, rel(banded, rows)
-    assert _greedy(models[True], ckpt.tokenizer, dtype=torch.bfloat16) == \
-        _greedy(models[False], ckpt.tokenizer, dtype=torch.bfloat16)

@@ -339,43 +339,6 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
-    (1, 37, 512, 128, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # 3 bands, the last padded
-    (3, 48, 768, 256, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "SPLIT": 2}),  # groups of two tiles
-    (2, 40, 256, 128, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 1}),  # one block past the rows, y whole
-    (8, 64, 1024, 128, None),  # the default tiles and split
-])
-@pytest.mark.parametrize("with_offset", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_int4_gemv_over_bands(m, n, k, group, tiles, with_offset, dtype):
-    """The split GEMV over a 4-bit weight laid out in bands of 16 rows, each band's tiles of 128
-    columns one after another: every row's chunk read from its band and tile, its scale from
-    the group's row of the band."""
-    check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="banded")
-
-
-def test_band_int4_layout():
-    """``band_int4``: row r's tile t lies at ``band * 16 * K/2 + t * 1024 + (r % 16) * 64``, its
-    byte j holding column ``128 t + j`` in the low nibble and ``128 t + 64 + j`` in the high one;
-    a group's scales of a band side by side; rows past N are zero. Groups of less than a tile
-    keep the row layout (``banded_takes``)."""
-    from ninfer.engine.layers.quant_gemv_triton import band_int4, banded_takes, pack_int4
-
-    n, k, group = 20, 512, 128
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scale = torch.rand(n, k // group).half()
-    pb, sb, ob = band_int4(pack_int4(q), scale, -scale)
-    assert pb.shape == (2, 16 * k // 2) and sb.shape == (2, 16 * k // group) and ob.shape == sb.shape
-    for r, c in [(0, 0), (5, 70), (17, 127), (19, 64), (16, 3), (7, 300), (2, 511)]:
-        byte = pb[r // 16, (c // 128) * 1024 + (r % 16) * 64 + c % 64]
-        assert (byte >> 4 if c % 128 >= 64 else byte & 15) == q[r, c]
-    for r, g in [(3, 2), (19, 0), (16, 3)]:
-        assert sb[r // 16, g * 16 + r % 16] == scale[r, g] and ob[r // 16, g * 16 + r % 16] == -scale[r, g]
-    assert pb[1].view(4, 16, 64)[:, 4:].eq(0).all() and sb[1].view(4, 16)[:, 4:].eq(0).all()
-    assert banded_takes(k, 128, 4) and banded_takes(k, 256, 4) and not banded_takes(k, 64, 4)
-    assert not banded_takes(k, 32, 4) and not banded_takes(320, 64, 4) and not banded_takes(k, 128, 8)
-
-
-@pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
 ])
@@ -423,45 +386,37 @@ def test_int8_dequantize_groups_of_16(n, k, with_offset):
     check_int4_gemv("cpu", torch.float32, 1, n, k, 16, with_offset, None, 1e-6, kernel="dequantize", bits=8)
 
 
-@pytest.mark.parametrize("rows, bands, dtype", [
-    (3, False, torch.float32), (40, False, torch.float32), (3, True, torch.bfloat16), (40, True, torch.float32)])
-# decode rows: a GEMV (the split one, or the split one over bands from ``int4_bands``); prompt
-# rows: dequantized blocks, then a GEMM
-def test_int4_triton_method_fused_projections(rows, bands, dtype, monkeypatch):
+@pytest.mark.parametrize("rows, dtype", [(3, torch.float32), (40, torch.float32), (3, torch.bfloat16)])
+# decode rows: the split GEMV (bf16: the tensor-core one); prompt rows: dequantized blocks, then a GEMM
+def test_int4_triton_method_fused_projections(rows, dtype, monkeypatch):
     """Three projections of one input held 4-bit for the Triton kernels, fused into one method
     as the model fuses q/k/v: the fused product and each part's equal the dequantized weights'."""
-    from ninfer.engine import launch
-    from ninfer.engine.layers import linear, quant_gemv_triton
+    from ninfer.engine.layers import linear
     from ninfer.engine.layers.linear import GroupQuantized, Linear, fuse_methods
 
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 256)  # several row blocks per product
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_ROWS", 16)  # (of 16 rows: 48 = 3 x 16)
     torch.manual_seed(0)
     parts, dense = [], []
-    for out, offset in [(48, True), (16, True), (24, True)]:  # the last part's band padded
+    for out, offset in [(48, True), (16, True), (24, True)]:
         q = torch.randint(0, 16, (out, 256), dtype=torch.uint8)
         scale = (torch.rand(out, 2) * 0.02 + 0.001).half().float()
         off = (torch.rand(out, 2) * -0.1).half().float() if offset else None
         w = GroupQuantized(q, scale, off, 128, 4, "test")
         lin = Linear(256, out, bias=False, device="meta")
         lin.take_quantized("p.weight", w)
-        with launch.using(int4_bands=bands):
-            lin.method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
-        assert lin.method.banded == bands and lin.method.out_features == out and lin.method.in_features == 256
+        lin.method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+        assert lin.method.out_features == out and lin.method.in_features == 256
         parts.append(lin)
         dense.append(w.dequantize())
     fused = fuse_methods([p.method for p in parts])
-    assert fused.banded == bands and fused.out_features == 88
+    assert fused.out_features == 88
     x = torch.randn(rows, 256).to(dtype)
     want = x.float() @ torch.cat(dense).T
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    runs = []
-    real = quant_gemv_triton.int4_gemv_banded_triton
-    monkeypatch.setattr(quant_gemv_triton, "int4_gemv_banded_triton", lambda *a, **k: runs.append(1) or real(*a, **k))
     assert rel_err(fused(x).float(), want) < tol
     for lin, w in zip(parts, dense):
         assert rel_err(lin(x).float(), x.float() @ w.T) < tol
-    assert len(runs) == (4 if bands and dtype != torch.float32 else 0)  # the fused product and each part's
 
 
 @pytest.mark.parametrize("rows", [3, 40])
@@ -589,14 +544,13 @@ def test_the_split_gemv_puts_its_arrival_counters_back():
     assert not qg._COUNTS[torch.device("cpu")].any()
 
 
-@pytest.mark.parametrize("bits, banded, one_row", [(4, False, False), (8, False, False), (4, True, False),
-                                                  (4, True, True)], ids=["4bit", "8bit", "4bit-bands", "4bit-bands-1"])
+@pytest.mark.parametrize("bits, one_row", [(4, False), (8, False), (4, True)], ids=["4bit", "8bit", "4bit-1"])
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
-def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded, one_row):
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, one_row):
     """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``, the nibbles
     made floats by inline PTX; one split writing the output, or several leaving fp32 partial
-    planes that the last to arrive adds; a 4-bit weight row by row or in bands of 16 rows; the
-    sums of x from all 16 rows or from the one real row) lowers for sm_90."""
+    planes that the last to arrive adds; the sums of x from all 16 rows or from the one real
+    row) lowers for sm_90."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
@@ -604,14 +558,11 @@ def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, banded, one_row):
     partial, counts = torch.empty(split, 1, 48), torch.zeros(1, dtype=torch.int32)
     packed = torch.zeros(48, 512, dtype=torch.uint8) if bits == 4 else torch.zeros(48, 1024, dtype=torch.int8)
     scale = torch.ones(48, 8, dtype=torch.float16)
-    if banded:
-        packed, scale, _ = qg.band_int4(packed, scale, None)
     launch = kernel_lowering.launch_of(
         qg._int4_gemv_split_kernel,
         (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1],
          scale.shape[1], 48, 48),
         {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
          "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
-         "SPLIT": split > 1, "BITS": bits, "BANDED": banded, "BAND_ROWS": qg.BAND_ROWS, "BAND_COLS": qg.BAND_COLS,
-         "ONE_ROW": one_row})
+         "SPLIT": split > 1, "BITS": bits, "ONE_ROW": one_row})
     assert not kernel_lowering.lower_recorded([launch])

@@ -413,8 +413,8 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
-    cores, "split": that form for a few rows with K split over programs, "banded": the split form
-    over ``band_int4``'s layout) against ``x @ W.T``, or the dequantizing kernel ("dequantize") against ``W``, with ``W``
+    cores, "split": that form for a few rows with K split over programs) against ``x @ W.T``, or
+    the dequantizing kernel ("dequantize") against ``W``, with ``W``
     the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
     from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
@@ -438,13 +438,6 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
-    if kernel == "banded":
-        from ninfer.engine.layers.quant_gemv_triton import band_int4, int4_gemv_banded_triton
-
-        out = int4_gemv_banded_triton(x, *band_int4(held, s16, o16), group, n, tiles)
-        assert out.shape == (m, n) and out.dtype == dtype
-        assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
-        return
     gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
     out = gemv(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype

@@ -95,10 +95,9 @@ def save_tiny_qwen3_5(path: Path, seed: int = 0, moe: bool = False, noise: float
     return path
 
 
-def save_wide_qwen3_5(path: Path, hidden: int, noise: float = 0.0) -> Path:
+def save_wide_qwen3_5(path: Path, hidden: int) -> Path:
     """A 4-layer hybrid Qwen3.5 whose projections are ``hidden`` (heads of ``hidden / 4``, MLP
-    ``2 * hidden``) wide, for the quantized matmuls' shapes; ``noise`` added to every weight (0:
-    transformers' own initialisation)."""
+    ``2 * hidden``) wide, for the quantized matmuls' shapes."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -110,10 +109,7 @@ def save_wide_qwen3_5(path: Path, hidden: int, noise: float = 0.0) -> Path:
         head_dim=head, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head,
         linear_value_head_dim=head, intermediate_size=2 * hidden, max_position_embeddings=512, eos_token_id=2,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-    model = transformers.Qwen3_5ForCausalLM(cfg)
-    if noise:
-        _perturb(model, noise)
-    model.save_pretrained(path)
+    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(path)
     return path
 
 
