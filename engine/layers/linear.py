@@ -242,17 +242,6 @@ class TritonGroupMethod(LinearMethod):
         scale, offset = w.scale.to(torch.float16), None if w.offset is None else w.offset.to(torch.float16)
         return cls(held.to(device), scale.to(device), None if offset is None else offset.to(device), w.group)
 
-    def _dequantized_product(self, x2: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
-        """Prompt rows: the weight dequantized ``rows`` rows at a time (``dequantize(r0, r1,
-        out)``) into one reused buffer, each block's product a column block of the output."""
-        buf = _dequant_buffer(x2.device, x2.dtype, min(rows, self.out_features) * self.in_features)
-        blocks = []
-        for r0 in range(0, self.out_features, rows):
-            r1 = min(r0 + rows, self.out_features)
-            w = dequantize(r0, r1, buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
-            blocks.append(x2 @ w.t())
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .. import launch
         from .quant_gemv_triton import (SPLIT_MAX_ROWS, int4_dequantize_triton, int4_gemv_split_triton,
@@ -274,11 +263,18 @@ class TritonGroupMethod(LinearMethod):
 
             return int4_gemv_dot_triton(x2, self.packed, self.scale, self.offset, self.group).view(
                 *lead, self.out_features)
-        def rows_of(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
-            return int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
-                                          None if self.offset is None else self.offset[r0:r1], self.group, out)
-
-        out = self._dequantized_product(x2, dequant_block_rows(self.out_features, self.in_features), rows_of)
+        # prompt rows: the weight dequantized a block of rows at a time into one reused buffer,
+        # each block's product a column block of the output
+        rows = dequant_block_rows(self.out_features, self.in_features)
+        buf = _dequant_buffer(x.device, x.dtype, min(rows, self.out_features) * self.in_features)
+        blocks = []
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(r0 + rows, self.out_features)
+            w = int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
+                                       None if self.offset is None else self.offset[r0:r1], self.group,
+                                       buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
+            blocks.append(x2 @ w.t())
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         return out.view(*lead, self.out_features)
 
 

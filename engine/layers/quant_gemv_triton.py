@@ -356,13 +356,6 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                          "contiguous")
     t = dict(SPLIT_TILES, **(tiles or {}))
     block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
-    return _launch_split(x, packed, scale, offset, group, n, t, block_k, bits_w)
-
-
-def _launch_split(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                  group: int, n: int, t: dict, block_k: int, bits_w: int) -> torch.Tensor:
-    """The split GEMV's launch, the operands checked: ``n`` weight rows."""
-    m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
