@@ -32,6 +32,10 @@ KV_FLAGS = {1: "fp8", 0.5: "4bit"}
 FEW_CHECKPOINTS = 4
 # an untied LM head quantized at load on a GPU: 8 bits (the server's default), 4 where 8 leave less context
 HEAD_BITS_DEFAULT, HEAD_BITS_SMALL = WEIGHT_BITS["int8"], WEIGHT_BITS["4bit"]
+# checkpoints kept quantized whose LM head is stored dense: the server quantizes it at load only
+# when asked (``--head-weights int8 / int4``)
+HEAD_STORED_DENSE = ("gptq", "awq")
+HEAD_FLAGS = {HEAD_BITS_DEFAULT: "int8", HEAD_BITS_SMALL: "int4"}
 
 
 class DoesNotFit(ValueError):
@@ -94,7 +98,8 @@ class Plan:
                 + (["--state-dtype", "bf16"] if s.state_elt == 2 else [])
                 + (["--prefix-checkpoints", str(s.checkpoints)] if s.checkpoints else [])
                 + (["--embedding-host"] if s.embedding_host else [])
-                + (["--head-weights", "int4"] if s.head_bits == HEAD_BITS_SMALL else []))
+                + (["--head-weights", HEAD_FLAGS[s.head_bits]] if s.head_bits == HEAD_BITS_SMALL
+                   or s.head_bits is not None and not self.quantize else []))
 
     def describe(self) -> str:
         s = self.settings
@@ -104,7 +109,7 @@ class Plan:
                  f"KV {KV_FLAGS.get(s.kv_elt, 'bf16' if s.elt == 2 else 'fp32')}, "
                  f"state {'bf16' if s.state_elt == 2 else 'fp32'}, checkpoints {s.checkpoints}"
                  + (", token table in host memory" if s.embedding_host else "")
-                 + (", LM head 4-bit" if s.head_bits == HEAD_BITS_SMALL else "") + f"  [{self.source}]"]
+                 + (f", LM head {HEAD_FLAGS[s.head_bits]}" if s.head_bits in HEAD_FLAGS else "") + f"  [{self.source}]"]
         lines += [f"  {k:13s} {human(v)}" for k, v in self.parts.items() if v]
         lines.append(f"  {'total':13s} {human(self.total)} + margin {human(self.margin)}")
         lines += [f"  - {r}" for r in self.reasons]
@@ -135,7 +140,9 @@ def _room_makers(shape: ModelShape, device: Device, s: Settings, formats: bool =
     makers = [(False, s.head_bits)]
     if device.cuda and not shape.config.tie_word_embeddings and formats:
         makers.append((True, s.head_bits))
-        if s.head_bits is not None:
+        if s.head_bits is None and shape.quant_method in HEAD_STORED_DENSE:
+            makers.append((True, HEAD_BITS_DEFAULT))
+        if s.head_bits is not None or shape.quant_method in HEAD_STORED_DENSE:
             makers.append((True, HEAD_BITS_SMALL))
     return makers
 
@@ -247,7 +254,8 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
                            "the context needs the room")
         if s.embedding_host:
             reasons.append("the token table in host memory (--embedding-host)"
-                           + (" and the LM head in 4 bits (--head-weights int4)" if s.head_bits == HEAD_BITS_SMALL else "")
+                           + (f" and the LM head in {HEAD_FLAGS[s.head_bits]} (--head-weights {HEAD_FLAGS[s.head_bits]})"
+                              if s.head_bits == HEAD_BITS_SMALL or s.head_bits is not None and not shape.dense else "")
                            + ": the context needs the room")
         return _finish(shape, device, s, "plan", reasons)
     raise DoesNotFit(_what_fits(shape, device, want, weights, chunk))

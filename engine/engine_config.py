@@ -25,8 +25,10 @@ QUANTIZED_AT_LOAD = {"int8": 8, "int4": 4}
 SPEC_MODES = ("off", "ngram", "mtp")
 # the Gated DeltaNet recurrent state's element type in its slots (``--state-dtype``)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# the untied LM head's groups when the projections are quantized at load on a GPU (``--head-weights``):
-# "auto" 8 bits; "int4" where a card has no room for 8 (the 27B's head: 1.3 GB in 8 bits, 0.7 in 4)
+# the untied LM head's groups on a GPU (``--head-weights``): where the projections are quantized at
+# load "auto" is 8 bits; a GPTQ / AWQ checkpoint's head (stored in bf16) stays so under "auto" and is
+# quantized at load under "int8" / "int4"; "int4" where a card has no room for 8 (the 27B's head:
+# 1.3 GB in 8 bits, 0.7 in 4, 2.5 in bf16)
 HEAD_WEIGHTS = {"auto": 8, "int8": 8, "int4": 4}
 MAX_DRAFT_TOKENS = 8
 MAX_MTP_DRAFT_TOKENS = 5
@@ -124,8 +126,9 @@ class EngineConfig:
             ("progress_anchor", self.progress_anchor == 0 or self.progress_anchor >= 16, "must be 0 (none) or >= 16"),
             ("weights", self.weights in WEIGHT_FORMATS, f"must be one of {', '.join(WEIGHT_FORMATS)}"),
             ("head_weights", self.head_weights in HEAD_WEIGHTS, f"must be one of {', '.join(HEAD_WEIGHTS)}"),
-            ("head_weights", self.head_weights == "auto" or self.weights in QUANTIZED_AT_LOAD and self.on_gpu,
-             "applies to weights quantized at load on a GPU (--weights int8 / int4 with a CUDA device)"),
+            ("head_weights", self.head_weights == "auto" or self.weights != "dense" and self.on_gpu,
+             "applies to quantized weights on a GPU (--weights int8 / int4, or a GPTQ / AWQ checkpoint under "
+             "--weights auto, with a CUDA device)"),
             ("embedding_host", not self.embedding_host or self.on_gpu and self.tensor_parallel == 1,
              "needs a CUDA device and no tensor parallelism (on the CPU the table is in host memory already)"),
             ("gpu_memory_gib", self.gpu_memory_gib is None or self.gpu_memory_gib > 0 and self.on_gpu,
@@ -165,8 +168,9 @@ class EngineConfig:
         return torch.device(self.device).type == "cuda"
 
     @property
-    def head_bits(self) -> int:
-        return HEAD_WEIGHTS[self.head_weights]
+    def head_bits(self) -> int | None:
+        """The LM head's bits asked for (None: "auto", as ``loader.load_model`` reads it)."""
+        return None if self.head_weights == "auto" else HEAD_WEIGHTS[self.head_weights]
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:

@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the rest, FP8 ones dequantized, in --dtype), dense (everything dequantized to --dtype), int8 / int4 "
                         "(a checkpoint's projections quantized at load: per-row int8, int4 in groups of 128; CPU)")
     p.add_argument("--head-weights", default="auto", choices=list(HEAD_WEIGHTS),
-                   help="the untied LM head under --weights int8 / int4 on a GPU: auto / int8 (8 bits), or int4 "
-                        "where the card has no room for 8 (the 27B's head: 1.3 GB in 8 bits, 0.7 GB in 4)")
+                   help="the untied LM head of quantized weights on a GPU: under --weights int8 / int4 auto / int8 "
+                        "(8 bits), or int4 where the card has no room for 8 (the 27B's head: 1.3 GB in 8 bits, 0.7 GB "
+                        "in 4); a GPTQ / AWQ checkpoint's bf16 head (2.5 GB at the 27B) stays so under auto and is "
+                        "quantized at load under int8 / int4")
     p.add_argument("--embedding-host", action="store_true",
                    help="keep the token embedding's table in pinned host memory, its rows read in place by the GPU "
                         "(the 27B's 2.5 GB off the card, a few KiB over the bus a token); not for tied embeddings")

@@ -44,7 +44,7 @@ def load_checkpoint(path: str | Path | None) -> Checkpoint:
 
 def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
                weights: str = "auto", mtp: bool = False, vision: bool = False, shard=None,
-               embedding_host: bool = False, head_bits: int = 8) -> CausalLM:
+               embedding_host: bool = False, head_bits: int | None = None) -> CausalLM:
     """The model of ``ckpt`` on ``device``, weights held as ``weights`` says
     (``engine_config.WEIGHT_FORMATS``): with "auto" a checkpoint's quantized matrices
     (``Checkpoint.quantized_weights``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0, GPTQ / AWQ
@@ -58,8 +58,10 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
     ``parallel.shard_config``, only its slices of the checkpoint read; quantized formats
     dequantized whole first, ``weights`` "auto" on a quantized checkpoint refused).
     ``embedding_host``: the token embedding's table in pinned host memory, read in place by the
-    GPU's lookups (``layers/embedding.py``). ``head_bits``: with "int8" / "int4" off the CPU, the
-    untied LM head's groups (8, or 4 where the card has no room for 8).
+    GPU's lookups (``layers/embedding.py``). ``head_bits``: off the CPU, the untied LM head's
+    groups (``--head-weights``): with "int8" / "int4" 8 bits where None, or 4 where the card has no
+    room for 8; a checkpoint kept quantized whose head is stored dense (GPTQ, AWQ) keeps it so
+    where None, and quantizes it at load to ``head_bits`` where given; refused for dense weights.
 
     Parameters take device memory only as the checkpoint gives them (``build_model(lazy=True)``),
     so a projection held quantized never has a dense copy on the device."""
@@ -89,12 +91,17 @@ def load_model(ckpt: Checkpoint, device: str | torch.device, dtype: torch.dtype,
             ((name, shard(name, tensor)) for name, tensor in ckpt.weights())
     if weights in QUANTIZED_AT_LOAD:
         keep = True
-        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device), head_bits,
-                                    requantized=ckpt.quantized_weights is not None)
+        tensors = quantized_at_load(model, source, QUANTIZED_AT_LOAD[weights], torch.device(device),
+                                    head_bits or 8, requantized=ckpt.quantized_weights is not None)
     elif keep:
         quantized = ckpt.quantized_weights()
         tensors = placed_quantized(model, quantized if not mtp else chain(quantized, ckpt.mtp_weights()),
                                    torch.device(device))
+        if head_bits is not None:
+            tensors = _head_quantized(model, tensors, head_bits, torch.device(device))
+    elif head_bits is not None:
+        raise ValueError(f"--head-weights applies to quantized weights, and {ckpt.source} is served dense: "
+                         "serve it with --weights int8 / int4, or without --head-weights")
     else:
         tensors = source
     model.load_weights(tensors)
@@ -197,12 +204,30 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
             if q is not None:
                 yield name, q
                 continue
-        if isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu":
-            q = quantize_rtn(tensor.to(device), head_bits)
-            if q is not None and method_fits(q, device):
-                yield name, q
-                continue
-        yield name, tensor
+        q = _head_at_load(module, attr, tensor, head_bits, device)
+        yield name, tensor if q is None else q
+
+
+def _head_at_load(module, attr: str, tensor: Any, bits: int, device: torch.device) -> GroupQuantized | None:
+    """An untied LM head's dense weight quantized to ``bits`` off the CPU where a method on
+    ``device`` holds it (None otherwise: it stays as it is)."""
+    from ..layers.linear import quantize_rtn
+
+    if not (isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu"
+            and isinstance(tensor, torch.Tensor) and tensor.dim() == 2):
+        return None
+    q = quantize_rtn(tensor.to(device), bits)
+    return q if q is not None and method_fits(q, device) else None
+
+
+def _head_quantized(model: CausalLM, weights: Iterable[tuple[str, Any]], bits: int,
+                    device: torch.device) -> Iterator[tuple[str, Any]]:
+    """``weights`` of a checkpoint kept quantized, its untied LM head's dense weight (GPTQ and AWQ
+    store it in bf16) quantized to ``bits`` (``--head-weights``); every other tensor as it is."""
+    for name, tensor in weights:
+        owner, _, attr = name.rpartition(".")
+        q = _head_at_load(_submodule(model, owner), attr, tensor, bits, device)
+        yield name, tensor if q is None else q
 
 
 def _experts_at_load(experts: FusedExperts, attr: str, tensor: torch.Tensor, bits: int,

@@ -9,7 +9,7 @@ import torch
 
 from ninfer.app.footprint import MiB, kv_bytes_per_token, model_weight_bytes, state_bytes_per_lane, weight_bytes
 from ninfer.app.model_info import shape_from_dict
-from ninfer.app.plan import MIN_CONTEXT, Device, DoesNotFit, Want, make_plan
+from ninfer.app.plan import HEAD_BITS_DEFAULT, HEAD_BITS_SMALL, MIN_CONTEXT, Device, DoesNotFit, Want, make_plan
 from ninfer.app.presets import Preset, load_presets
 
 KNOWN = {k: v for k, v in json.loads(resources.files("ninfer.app").joinpath("known_models.json").read_text()).items()
@@ -247,6 +247,32 @@ def test_the_27b_on_a_16_gb_card():
     assert args.embedding_host and args.prefix_checkpoints == 4
     capped = make_plan(shape, Device("H200 held to 16 GiB", 16 << 30, 16 << 30, 0))
     assert capped.settings.context >= 65536
+
+
+def test_a_gptq_27b_under_16_gib_holds_its_head_in_4_bits():
+    """The 27B as a GPTQ checkpoint (4-bit groups of 128, the head stored in bf16: 14.4 GiB) on a
+    card held to 16 GiB: refused before the head could be quantized at load; now the token table
+    goes to host memory and the head to 4 bits (``--head-weights int4``), which the server takes
+    for a checkpoint kept quantized, and the context is what the room left allows. The 9B's
+    bf16 head goes to 8 bits, where that reaches the model's whole context."""
+    from ninfer.server.cli import build_parser
+
+    capped = Device("H200 held to 16 GiB", 16 << 30, 16 << 30, 0)
+    gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    shape = shape_from_dict({**KNOWN["Qwen3.5-27B"], **gptq}, "27B-gptq")
+    plan = make_plan(shape, capped, Want(lanes=1))
+    s = plan.settings
+    assert (s.weights, s.embedding_host, s.head_bits) == ("4bit", True, HEAD_BITS_SMALL)
+    assert s.context >= 65536 and plan.total + plan.margin <= capped.free, plan.describe()
+    args = build_parser().parse_args(plan.server_args())
+    assert args.head_weights == "int4" and args.embedding_host and args.weights == "auto"
+    assert "LM head int4" in plan.describe()
+    nine = make_plan(shape_from_dict({**KNOWN["Qwen3.5-9B"], **gptq}, "9B-gptq"), capped, Want(lanes=1))
+    assert nine.settings.context == 262144 and nine.settings.head_bits == HEAD_BITS_DEFAULT
+    assert build_parser().parse_args(nine.server_args()).head_weights == "int8"
+    # a roomy card keeps the stored head, and passes no flag
+    roomy = make_plan(shape, gpu(80), Want(lanes=1))
+    assert roomy.settings.head_bits is None and "--head-weights" not in roomy.server_args()
 
 
 def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():

@@ -394,3 +394,43 @@ def test_float8_without_its_scale_is_named(tmp_path, base):
                                                                           "weight_block_size": [128, 128]}))
     with pytest.raises(ValueError, match=rf"{name} is float8 with no {name}_scale_inv"):
         dict(ckpt.weights())
+
+
+# --- the LM head of a checkpoint kept quantized (--head-weights) -----------------------------------
+
+def test_head_weights_are_refused_for_dense_weights(base):
+    """``--head-weights int4`` quantizes the head of quantized weights only: a dense checkpoint
+    served dense is refused by name, at the config where the weights are dense by flag."""
+    from ninfer.engine.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="--head-weights applies to quantized weights"):
+        load_model(load_checkpoint(base), "cpu", torch.float32, "auto", head_bits=4)
+    with pytest.raises(ValueError, match="head_weights applies to quantized weights on a GPU"):
+        EngineConfig(device="cpu", weights="auto", head_weights="int4")
+    with pytest.raises(ValueError, match="head_weights applies to quantized weights on a GPU"):
+        EngineConfig(device="cuda", weights="dense", head_weights="int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_gptq_checkpoints_bf16_head_is_quantized_at_load_when_asked(case, bits):
+    """A GPTQ checkpoint under ``--weights auto`` on the GPU keeps its bf16 head without
+    ``--head-weights``; with it the head is held in ``bits``-bit groups by the Triton method, its
+    logits those of the stored head quantized alike (RTN), and the projections stay as stored."""
+    from ninfer.engine.layers.linear import TritonGroupMethod
+
+    name, ckpt, _ = case
+    if name != "gptq-v1-sym":
+        pytest.skip("one GPTQ layout is enough here")
+    as_stored = load_model(ckpt, "cuda", torch.bfloat16, "auto")
+    assert not as_stored.lm_head.quantized and as_stored.lm_head.weight.dtype == torch.bfloat16
+    held_head = load_model(ckpt, "cuda", torch.bfloat16, "auto", head_bits=bits)
+    method = held_head.lm_head.method
+    assert isinstance(method, TritonGroupMethod) and method.bits == bits
+    assert held(held_head) == held(as_stored) == expected_held(name, held_head)
+    stored = dict(ckpt.weights())["lm_head.weight"].cuda().to(torch.bfloat16)
+    want = quantize_rtn(stored, bits).dequantize().float()
+    h = torch.randn(5, stored.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = held_head.lm_head(h).float()
+    assert relative_error(got, h.float() @ want.t()) < 0.01
