@@ -264,17 +264,18 @@ class TritonGroupMethod(LinearMethod):
             return int4_gemv_dot_triton(x2, self.packed, self.scale, self.offset, self.group).view(
                 *lead, self.out_features)
         # prompt rows: the weight dequantized a block of rows at a time into one reused buffer,
-        # each block's product a column block of the output
+        # each block's product written in place as a column block of the output (cuBLAS takes
+        # the output's row stride as its leading dimension: no copy, and no second output-sized
+        # tensor as joining the blocks after took)
         rows = dequant_block_rows(self.out_features, self.in_features)
         buf = _dequant_buffer(x.device, x.dtype, min(rows, self.out_features) * self.in_features)
-        blocks = []
+        out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
         for r0 in range(0, self.out_features, rows):
             r1 = min(r0 + rows, self.out_features)
             w = int4_dequantize_triton(self.packed[r0:r1], self.scale[r0:r1],
                                        None if self.offset is None else self.offset[r0:r1], self.group,
                                        buf[: (r1 - r0) * self.in_features].view(r1 - r0, self.in_features))
-            blocks.append(x2 @ w.t())
-        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+            torch.mm(x2, w.t(), out=out[:, r0:r1])
         return out.view(*lead, self.out_features)
 
 

@@ -236,7 +236,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
                             SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr,
-                            TILED: tl.constexpr = False):
+                            UNROLL: tl.constexpr = 1):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -260,16 +260,12 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     k_begin = split * STEPS * BLOCK_K
     k_end = tl.minimum(K, k_begin + STEPS * BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
         if BITS == 4:
             xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
             xe = tl.load(xp, mask=mmask[:, None], other=0.0)
             xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
-            if TILED:  # the chunk's BLOCK_N x BLOCK_K / 2 bytes one contiguous tile (``tile_int4``)
-                tile = (pid * (K // BLOCK_K) + k0 // BLOCK_K).to(tl.int64) * BLOCK_N
-                b = tl.load(q_ptr + (tile + tl.arange(0, BLOCK_N))[:, None] * (BLOCK_K // 2) + j[None, :])
-            else:
-                b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
+            b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
             lo, hi = _nibble_floats(b, xe.dtype, BASE_BITS)
             if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
                 r = tl.dot(xe.to(tl.float32), tl.trans(lo).to(tl.float32)) + \
@@ -289,10 +285,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             else:
                 r = tl.dot(x, tl.trans(w.to(x.dtype)))
             xs = tl.sum(x.to(tl.float32), 1)
-        if TILED:  # a row block's scales (and offsets) for one group contiguous
-            sg = (pid * (K // G) + k0 // G).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        else:
-            sg = rows_in * stride_sn + k0 // G
+        sg = rows_in * stride_sn + k0 // G
         sc = tl.load(s_ptr + sg).to(tl.float32)
         acc += (r - (BASE * xs)[:, None]) * sc[None, :]
         if HAS_OFFSET:
@@ -342,28 +335,8 @@ def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, spl
     return y, blocks, steps, split, partial, counts
 
 
-def tile_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, block_n: int,
-              block_k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A 4-bit ``packed`` ``[N, K / 2]`` weight and its ``[N, K / G]`` scales (offsets) as the
-    split GEMV's tiles (``TILED``): row blocks of ``block_n`` (the last padded with zeros), each
-    a run of ``K / block_k`` tiles of ``block_n x block_k / 2`` bytes, one chunk's; the scales a
-    run of ``K / G`` vectors of ``block_n``."""
-    n, half = packed.shape
-    k = 2 * half
-    blocks = -(-n // block_n)
-    pad = blocks * block_n - n
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-
-    q = rows(packed).view(blocks, block_n, k // block_k, block_k // 2).transpose(1, 2).contiguous()
-    s = rows(scale).view(blocks, block_n, k // group).transpose(1, 2).contiguous()
-    o = None if offset is None else rows(offset).view(blocks, block_n, k // group).transpose(1, 2).contiguous()
-    return q.view(-1, block_k // 2), s.view(-1, block_n), o if o is None else o.view(-1, block_n)
-
-
 def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                           group: int, tiles: dict | None = None, tiled_rows: int | None = None) -> torch.Tensor:
+                           group: int, tiles: dict | None = None) -> torch.Tensor:
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
     4-bit ``packed`` ``[N, K / 2]`` weight (or an 8-bit ``[N, K]`` one) in groups it takes
     (``split_takes``), on the tensor cores
@@ -371,8 +344,6 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     default ``split_count``); the splits' fp32 partial sums are added by the last program of each
     row block to finish, in the same launch."""
     m, k = x.shape
-    if tiled_rows is not None:  # ``tile_int4``'s layout for the tiles given
-        return _split_tiled(x, packed, scale, offset, group, dict(SPLIT_TILES, **(tiles or {})), tiled_rows)
     n = packed.shape[0]
     bits_w = 8 if packed.dtype == torch.int8 else 4
     if not split_takes(group, bits_w) or x.dtype not in _DOT_BASES or packed.dtype not in (torch.uint8, torch.int8) \
@@ -396,21 +367,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        ONE_ROW=m == 1, num_warps=t["num_warps"], **({"num_stages": t["num_stages"]} if "num_stages" in t else {}))
-    return y
-
-
-def _split_tiled(x, packed, scale, offset, group, t, n):
-    m, k = x.shape
-    block_k = min(t["BLOCK_K"], group & -group)
-    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
-    bits, base = _DOT_BASES[x.dtype]
-    _int4_gemv_split_kernel[(blocks, split)](
-        x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
-        m, n, k, steps, split, x.stride(0), 0, 0, y.stride(0), partial.stride(0),
-        G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
-        HAS_OFFSET=offset is not None, BASE_BITS=bits, BASE=base, DOT_FP32=INTERPRET and x.dtype == torch.bfloat16,
-        SPLIT=split > 1, BITS=4, ONE_ROW=m == 1, TILED=True, num_warps=t["num_warps"],
+        ONE_ROW=m == 1, UNROLL=t.get("UNROLL", 1), num_warps=t["num_warps"],
         **({"num_stages": t["num_stages"]} if "num_stages" in t else {}))
     return y
 

@@ -339,18 +339,6 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 
 
 @pytest.mark.parametrize("m, n, k, group, tiles", [
-    (1, 37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # ragged rows padded in the tiles
-    (3, 64, 384, 128, None),
-    (2, 40, 256, 128, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "SPLIT": 2}),  # four chunks a group
-])
-@pytest.mark.parametrize("with_offset", [False, True])
-def test_int4_gemv_split_over_tiles(m, n, k, group, tiles, with_offset):
-    """The split GEMV over ``tile_int4``'s layout (a chunk's rows one contiguous tile, a row
-    block's scales for a group one vector): the products of the row layout's."""
-    check_int4_gemv("cpu", torch.float16, m, n, k, group, with_offset, tiles, 1e-2, kernel="tiled")
-
-
-@pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
 ])

@@ -413,8 +413,7 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
-    cores, "split": that form for a few rows with K split over programs, "tiled": the split form over
-    ``tile_int4``'s layout) against ``x @ W.T``, or
+    cores, "split": that form for a few rows with K split over programs) against ``x @ W.T``, or
     the dequantizing kernel ("dequantize") against ``W``, with ``W``
     the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
     from ninfer.engine.layers.linear import GroupQuantized
@@ -439,15 +438,8 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
-    if kernel == "tiled":  # the split GEMV over ``tile_int4``'s layout
-        from ninfer.engine.layers.quant_gemv_triton import SPLIT_TILES, tile_int4
-
-        t = dict(SPLIT_TILES, **(tiles or {}))
-        held, s16, o16 = tile_int4(held, s16, o16, t["BLOCK_N"], min(t["BLOCK_K"], group & -group), group)
-        out = int4_gemv_split_triton(x, held, s16, o16, group, tiles, tiled_rows=n)
-    else:
-        gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
-        out = gemv(x, held, s16, o16, group, tiles)
+    gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
+    out = gemv(x, held, s16, o16, group, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
 
