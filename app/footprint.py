@@ -17,6 +17,9 @@ GiB = 1 << 30
 # bits per quantised matrix weight, scales included (group 128 with a 16-bit scale and zero point
 # for 4-bit; a 16-bit scale per 128-block for 8-bit); the formats the server holds weights in
 WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.125, "4bit": 4.25}
+# a 4-bit checkpoint stored symmetric (GPTQ's sym): held as its scales alone, no offsets
+# (``layers/linear.TritonGroupMethod``'s zero point 8)
+SYMMETRIC_4BIT = 4.125
 CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB
@@ -32,9 +35,10 @@ SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per 
 CHECKPOINTS_PER_LANE, MIN_CHECKPOINTS, CHECKPOINT_SHARE = 4, 16, 0.25
 
 
-def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
-    """Matrices in ``fmt``; embeddings, norms and the like in the compute dtype (never below 16-bit)."""
-    bits = WEIGHT_BITS[fmt]
+def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int, bits: float | None = None) -> int:
+    """Matrices in ``fmt`` (at ``bits`` a weight where given); embeddings, norms and the like in
+    the compute dtype (never below 16-bit)."""
+    bits = WEIGHT_BITS[fmt] if bits is None else bits
     rest = (params.embeddings + params.other) * max(compute_bytes, 2 if bits < 16 else compute_bytes)
     return int(params.matrices * bits / 8) + rest
 
@@ -42,7 +46,8 @@ def weight_bytes(params: ParamCounts, fmt: str, compute_bytes: int) -> int:
 def model_weight_bytes(shape: ModelShape, s: "Settings") -> int:
     """``weight_bytes`` on the device for ``s``: an untied model's token table off it with
     ``embedding_host``, and its LM head at ``head_bits`` a weight where set (``--head-weights``)."""
-    full = weight_bytes(shape.params, s.weights, s.elt)
+    symmetric = s.weights == "4bit" and shape.quant_symmetric
+    full = weight_bytes(shape.params, s.weights, s.elt, SYMMETRIC_4BIT if symmetric else None)
     if shape.config.tie_word_embeddings:
         return full
     table = head = shape.params.embeddings // 2

@@ -40,6 +40,7 @@ class ModelShape:
     quant_bits: int | None = None  # 4 / 8 when the checkpoint itself is quantised
     gguf: bool = False
     quant_method: str | None = None  # its quantization_config's quant_method ("gptq", "awq", "fp8")
+    quant_symmetric: bool = False  # 4-bit GPTQ stored symmetric (``sym``, its default): no zero points to hold
     # the vision tower (``model.visual.*``, loaded only with --vision): its parameters, and the
     # activations its largest image (``max_pixels``) holds at once, in elements
     vision_params: int = 0
@@ -164,6 +165,7 @@ def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False
         mtp_params=count_mtp_params(config, mtp, gated), mtp_layers=mtp,
         quant_bits=int(bits) if bits else None, gguf=gguf,
         quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
+        quant_symmetric=str(quant.get("quant_method", "")).lower() == "gptq" and bits == 4 and bool(quant.get("sym", True)),
         vision_params=vision[0], vision_activations=vision[1],
     )
 

@@ -40,10 +40,10 @@ def _chunk_dot(q_ptr, rows_in, stride_n, k0, x, x_lo, x_hi, BLOCK_K: tl.constexp
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
         b = tl.load(q_ptr + rows_in[:, None] * stride_n + (k0 // 2 + j)[None, :]).to(tl.int32)
-        return tl.sum(_exact_float(b & 15, 0) * x_lo[None, :] + _exact_float(b >> 4, 0) * x_hi[None, :], 1)
+        return tl.sum(_exact_float(b & 15, 0, 0) * x_lo[None, :] + _exact_float(b >> 4, 0, 0) * x_hi[None, :], 1)
     kk = tl.arange(0, BLOCK_K)
     b = tl.load(q_ptr + rows_in[:, None] * stride_n + (k0 + kk)[None, :]).to(tl.int32)
-    return tl.sum(_exact_float(b, 128) * x[None, :], 1)
+    return tl.sum(_exact_float(b, 128, 0) * x[None, :], 1)
 
 
 @triton.jit
@@ -120,10 +120,10 @@ def _weight_tile(q_ptr, s_ptr, o_ptr, e, cols_in, k0, stride_qe, stride_qn, stri
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
         b = tl.load(q_rows + (k0 // 2 + j)[None, :]).to(tl.int32)
-        w = tl.reshape(tl.join(_exact_float(b & 15, 0), _exact_float(b >> 4, 0)), (BLOCK_N, BLOCK_K))
+        w = tl.reshape(tl.join(_exact_float(b & 15, 0, 0), _exact_float(b >> 4, 0, 0)), (BLOCK_N, BLOCK_K))
     else:
         b = tl.load(q_rows + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.int32)
-        w = _exact_float(b, 128)
+        w = _exact_float(b, 128, 0)
     sg = e * stride_se + cols_in * stride_sn + k0 // G
     w = w * tl.load(s_ptr + sg).to(tl.float32)[:, None]
     if HAS_OFFSET:

@@ -37,18 +37,19 @@ _PORTABLE = tl.constexpr(INTERPRET)  # no inline assembly in the kernels (the in
 
 
 @triton.jit
-def _exact_float(q, bias: tl.constexpr):
-    """Integers ``q + bias`` in 0 .. 2^23 as fp32 without a conversion instruction: their bits
-    under the exponent of 2^23, then 2^23 (and ``bias``) subtracted, both exact. The conversion
+def _exact_float(q, bias: tl.constexpr, zero: tl.constexpr):
+    """Integers ``q - zero`` (``q + bias`` in 0 .. 2^23) as fp32 without a conversion instruction:
+    their bits under the exponent of 2^23, then 2^23 (and ``bias`` and ``zero``) subtracted, both
+    exact. The conversion
     (I2F) runs at a quarter of the FMA rate on the GPUs this serves, and a GEMV over 4-bit
     weights is bound by the instructions per byte, not by memory."""
-    return ((q + bias) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    return ((q + bias) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias + zero)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                       G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_OFFSET: tl.constexpr, BITS: tl.constexpr):
+                      HAS_OFFSET: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr):
     # BLOCK_K divides the group G (one scale and offset per weight row per chunk: the chunk's
     # integer dot products scaled once, ``s * sum(x q) + o * sum(x)``), or is a multiple of it
     # dividing K (one per column pair, G even: the weights scaled one by one)
@@ -65,11 +66,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, str
     for k0 in tl.range(0, K, BLOCK_K):
         if BITS == 4:
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
-            q_lo = _exact_float(b & 15, 0)
-            q_hi = _exact_float(b >> 4, 0)
+            q_lo = _exact_float(b & 15, 0, ZERO)
+            q_hi = _exact_float(b >> 4, 0, ZERO)
         else:  # one int8 a byte: the even and odd columns split as the input's are
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 + kk)[None, :]).to(tl.int32)
-            q_lo, q_hi = tl.split(tl.reshape(_exact_float(b, 128), (BLOCK_N, BLOCK_K // 2, 2)))
+            q_lo, q_hi = tl.split(tl.reshape(_exact_float(b, 128, 0), (BLOCK_N, BLOCK_K // 2, 2)))
         x = tl.load(x_ptr + m_in[:, None] * stride_xm + (k0 + kk)[None, :]).to(tl.float32)
         x_lo, x_hi = tl.split(tl.reshape(x, (M_PAD, BLOCK_K // 2, 2)))
         if BLOCK_K > G:
@@ -145,7 +146,7 @@ _DOT_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                         group: int, tiles: dict | None = None) -> torch.Tensor:
+                         group: int, tiles: dict | None = None, zero: int = 0) -> torch.Tensor:
     """``int4_gemv_triton`` with the products on the tensor cores (``tl.dot`` over the rows padded
     to 16): ``x`` ``[M, K]`` bf16 or fp16 (M <= 64), ``packed`` ``[N, K / 2]`` (``pack_int4``) or
     int8 ``[N, K]``, ``scale``/``offset`` ``[N, K / group]``, groups of a power of two >= 16."""
@@ -165,6 +166,7 @@ def int4_gemv_dot_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
         return y
     t = dict(DOT_TILES, **(tiles or {}))
     bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
+    base += _zero(zero, offset, bits_w)  # symmetric: BASE + q - zero comes off as BASE + zero does
     _int4_gemv_dot_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"],
@@ -336,7 +338,7 @@ def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, spl
 
 
 def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                           group: int, tiles: dict | None = None) -> torch.Tensor:
+                           group: int, tiles: dict | None = None, zero: int = 0) -> torch.Tensor:
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
     4-bit ``packed`` ``[N, K / 2]`` weight (or an 8-bit ``[N, K]`` one) in groups it takes
     (``split_takes``), on the tensor cores
@@ -361,6 +363,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
     bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
+    base += _zero(zero, offset, bits_w)
     _int4_gemv_split_kernel[(blocks, split)](
         x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
         m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
@@ -411,6 +414,13 @@ def chunk_columns(block_k: int, group: int, k: int) -> int:
     return max(block_k, group)
 
 
+def _zero(zero: int, offset: torch.Tensor | None, bits: int) -> int:
+    """A constant zero point, checked: for 4-bit weights without offsets only."""
+    if zero and (offset is not None or bits != 4 or not 0 < zero < 16):
+        raise ValueError(f"a constant zero point ({zero}) is for 4-bit weights without offsets")
+    return zero
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``q`` ``[N, K]`` of values 0..15 (K even) -> ``[N, K / 2]`` uint8, column ``2j`` in the
     low nibble of byte ``j``, ``2j + 1`` in the high one."""
@@ -421,10 +431,11 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                     group: int, tiles: dict | None = None) -> torch.Tensor:
+                     group: int, tiles: dict | None = None, zero: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` (last dim contiguous), ``packed`` ``[N, K / 2]`` (``pack_int4``; or int8
-    ``[N, K]``, one value a byte), ``scale`` and ``offset`` ``[N, K / group]`` (offset None:
-    symmetric) -> ``[M, N]`` in ``x``'s dtype."""
+    ``[N, K]``, one value a byte), ``scale`` and ``offset`` ``[N, K / group]`` (offset None: none,
+    or ``zero``, every group's zero point: 8 for symmetric 4-bit weights, ``scale * (q - 8)``)
+    -> ``[M, N]`` in ``x``'s dtype."""
     m, k = x.shape
     n = packed.shape[0]
     bits = 8 if packed.dtype == torch.int8 else 4
@@ -447,14 +458,15 @@ def int4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _int4_gemv_kernel[(triton.cdiv(n, t["BLOCK_N"]),)](
         x, packed, scale, offset if offset is not None else scale, y, m, n, k, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), G=group, M_PAD=triton.next_power_of_2(m), BLOCK_N=t["BLOCK_N"],
-        BLOCK_K=t["BLOCK_K"], HAS_OFFSET=offset is not None, BITS=bits, num_warps=t["num_warps"])
+        BLOCK_K=t["BLOCK_K"], HAS_OFFSET=offset is not None, BITS=bits, ZERO=_zero(zero, offset, bits),
+        num_warps=t["num_warps"])
     return y
 
 
 @triton.jit
 def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                         BITS: tl.constexpr):
+                         BITS: tl.constexpr, ZERO: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rmask = rows < N
@@ -468,7 +480,8 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
     if BITS == 4:
         j = tl.arange(0, BLOCK_K // 2)
         b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :]).to(tl.int32)
-        w = tl.reshape(tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)), (BLOCK_N, BLOCK_K))
+        w = tl.reshape(tl.join(((b & 15) - ZERO).to(tl.float32), ((b >> 4) - ZERO).to(tl.float32)),
+                       (BLOCK_N, BLOCK_K))
     else:
         w = tl.load(q_ptr + rows_in[:, None] * stride_qn + kk[None, :]).to(tl.float32)
     w = w * s
@@ -479,7 +492,7 @@ def _int4_dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, stride_qn, stride_sn,
 
 
 def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
-                           out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor, zero: int = 0) -> torch.Tensor:
     """``out`` ``[N, K]`` (its dtype, e.g. bf16; rows may be strided) = the weight ``packed``
     ``[N, K / 2]`` (or int8 ``[N, K]``) holds, ``scale``/``offset`` ``[N, K / group]``."""
     n, k = out.shape
@@ -492,5 +505,6 @@ def int4_dequantize_triton(packed: torch.Tensor, scale: torch.Tensor, offset: to
     bk = chunk_columns(128, group, k)
     _int4_dequant_kernel[(triton.cdiv(n, 16), k // bk)](
         packed, scale, offset if offset is not None else scale, out, n, k, packed.stride(0), scale.stride(0),
-        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits, num_warps=4)
+        out.stride(0), G=group, BLOCK_N=16, BLOCK_K=bk, HAS_OFFSET=offset is not None, BITS=bits,
+        ZERO=_zero(zero, offset, bits), num_warps=4)
     return out

@@ -275,6 +275,25 @@ def test_a_gptq_27b_under_16_gib_holds_its_head_in_4_bits():
     assert roomy.settings.head_bits is None and "--head-weights" not in roomy.server_args()
 
 
+def test_a_symmetric_gptq_checkpoint_is_planned_without_zero_points():
+    """GPTQ's ``sym`` (its default) holds scales alone on the GPU: the 27B's matrices at 4.125
+    bits a weight, 0.35 GiB below an asymmetric checkpoint's 4.25, which the context gets."""
+    from ninfer.app.footprint import model_weight_bytes
+
+    capped = Device("H200 held to 16 GiB", 16 << 30, 16 << 30, 0)
+    plans, held = {}, {}
+    for sym in (True, False):
+        gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": sym}}
+        shape = shape_from_dict({**KNOWN["Qwen3.5-27B"], **gptq}, "27B-gptq")
+        assert shape.quant_symmetric is sym
+        plans[sym] = make_plan(shape, capped, Want(lanes=1))
+        held[sym] = model_weight_bytes(shape, plans[True].settings)
+    sym, asym = held[True], held[False]
+    matrices = shape.params.matrices
+    assert asym - sym == pytest.approx(matrices * 0.125 / 8, rel=0.01) and asym - sym > 0.35 * (1 << 30)
+    assert plans[True].settings.context >= plans[False].settings.context
+
+
 def test_lanes_the_plan_adds_keep_the_kv_cache_as_it_is():
     plan = make_plan(SHAPES["Qwen3.5-9B"], gpu(16))
     assert plan.settings.lanes > 1 and plan.settings.kv_elt is None and plan.settings.state_elt == 4

@@ -226,7 +226,7 @@ def test_moe_down_all_slots_vs_slot_loop(tokens):
 
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 2048, 32), (37, 384, 128)])
-@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
 def test_int4_gemv(m, n, k, group, with_offset):
     check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, None, 2e-2)
 
@@ -246,7 +246,7 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, with_offset, bits):
     (1000, 2048, 32, {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "SPLIT": 8}),
     (37, 384, 128, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "SPLIT": 3}),
 ])
-@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
 def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset):
     """The decode rows' 4-bit GEMV with K split over programs, the last to arrive adding the
     partial sums (twice, so the arrival counters are seen put back)."""
@@ -272,6 +272,13 @@ def test_int8_gemv_split_over_k(m, n, k, group):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int4_dequantize(n, k, group, with_offset, bits):
     check_int4_gemv("cuda", torch.bfloat16, 1, n, k, group, with_offset, None, 1e-2, kernel="dequantize", bits=bits)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_symmetric_4_bit_weights_on_tensor_cores_and_dequantized(m):
+    """Offsets of ``-8 * scale`` held as the zero point 8: the tensor-core GEMV and the dequantizing kernel."""
+    check_int4_gemv("cuda", torch.bfloat16, m, 4096, 4096, 128, "symmetric", None, 2e-2, kernel="dot")
+    check_int4_gemv("cuda", torch.bfloat16, 1, 5000, 4096, 128, "symmetric", None, 1e-2, kernel="dequantize")
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

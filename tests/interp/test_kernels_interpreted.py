@@ -298,7 +298,7 @@ def test_moe_down_both_forms(tiles):
     (3, 16, 384, 128, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}),  # ragged K chunk, M padded to 4
     (8, 9, 96, 32, {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 2}),
 ])
-@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
 def test_int4_gemv(m, n, k, group, tiles, with_offset):
     check_int4_gemv("cpu", torch.float32, m, n, k, group, with_offset, tiles, 1e-5)
     from ninfer.engine.layers.quant_gemv_triton import int4_gemv_triton, pack_int4
@@ -330,7 +330,7 @@ def test_int4_gemv_on_tensor_cores(m, n, k, group, tiles, with_offset, dtype, bi
     (20, 24, 256, 64, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "SPLIT": 2}),  # rows verifying drafts: 32 padded
     (64, 16, 128, 128, None),
 ])
-@pytest.mark.parametrize("with_offset", [False, True])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
     """The decode rows' GEMV on the tensor cores with K split over programs: the even and odd
@@ -356,6 +356,22 @@ def test_int8_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int4_dequantize(n, k, group, with_offset, bits):
     check_int4_gemv("cpu", torch.float32, 1, n, k, group, with_offset, None, 1e-6, kernel="dequantize", bits=bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_symmetric_4_bit_weights_take_a_constant_zero_point(dtype):
+    """4-bit weights whose offsets are all ``-8 * scale`` (GPTQ's sym, GGUF's Q4_0) read no offsets:
+    the tensor-core GEMV and the dequantizing kernel subtract the zero point 8 themselves (the
+    scalar and split GEMVs: their tests above); a zero point is refused beside offsets or 8-bit values."""
+    from ninfer.engine.layers.quant_gemv_triton import int4_gemv_split_triton, pack_int4
+
+    check_int4_gemv("cpu", dtype, 5, 24, 256, 64, "symmetric", None, 1e-2, kernel="dot")
+    check_int4_gemv("cpu", torch.float32, 1, 37, 256, 32, "symmetric", None, 1e-6, kernel="dequantize")
+    x, packed, scale = torch.randn(1, 256).to(dtype), pack_int4(torch.zeros(4, 256)), torch.ones(4, 2).half()
+    with pytest.raises(ValueError, match="constant zero point"):
+        int4_gemv_split_triton(x, packed, scale, scale, 128, zero=8)
+    with pytest.raises(ValueError, match="constant zero point"):
+        int4_gemv_split_triton(x, torch.zeros(4, 256, dtype=torch.int8), scale, None, 128, zero=8)
 
 
 @pytest.mark.parametrize("m, n, k, group", [(1, 37, 256, 32), (5, 16, 384, 128)])
@@ -508,6 +524,34 @@ def test_int4_triton_method_rows_past_the_gemv(rows):
     x = torch.randn(rows, 256).to(torch.bfloat16)
     out = method(x)
     assert out.dtype == torch.bfloat16 and rel_err(out.float(), x.float() @ w.dequantize().T) < 1e-2
+
+
+def test_a_symmetric_4_bit_weight_is_held_without_offsets(monkeypatch):
+    """A 4-bit weight whose offsets are all ``-8 * scale`` (a GPTQ ``sym`` checkpoint's, GGUF
+    Q4_0's) is held for the Triton kernels as scales alone with the zero point 8: a sixteenth
+    fewer bytes at groups of 128, and the products of every path (decode rows, rows on the tensor
+    cores, prompt rows dequantized in blocks) those of the weight as stored; a fused projection
+    takes it only beside other symmetric parts."""
+    from ninfer.engine.layers import linear
+    from ninfer.engine.layers.linear import GroupQuantized, fuse_methods
+
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ELEMENTS", 20 * 256)  # several row blocks for prompt rows
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_ROWS", 16)
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8)
+    scale = (torch.rand(48, 2) * 0.02 + 0.001).half().float()
+    sym = GroupQuantized(q, scale, -8 * scale, 128, 4, "GPTQ")
+    asym = GroupQuantized(q, scale, -7 * scale, 128, 4, "GPTQ")
+    held, other = (linear.TritonGroupMethod.from_groups(w, torch.device("cpu")) for w in (sym, asym))
+    assert (held.offset, held.zero) == (None, 8) and other.offset is not None and other.zero == 0
+    size = [sum(b.numel() * b.element_size() for b in m.buffers()) for m in (held, other)]
+    assert size[0] == size[1] - 48 * 2 * 2  # no fp16 offset a group
+    for rows in (1, 20, 100):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        assert rel_err(held(x).float(), x.float() @ sym.dequantize().T) < 1e-2
+    assert fuse_methods([held, other]) is None
+    both = fuse_methods([held, linear.TritonGroupMethod.from_groups(sym, torch.device("cpu"))])
+    assert both is not None and both.zero == 8 and both.offset is None
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -410,16 +410,20 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
         use_backends(model, Backends.for_device(device))  # the model's own, for the tests after
 
 
-def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool,
+def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool | str,
                     tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
     cores, "split": that form for a few rows with K split over programs) against ``x @ W.T``, or
     the dequantizing kernel ("dequantize") against ``W``, with ``W``
-    the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read)."""
+    the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read).
+    ``with_offset`` "symmetric": 4-bit offsets of ``-8 * scale``, which the kernels take as the
+    constant zero point 8 (no offsets read)."""
     from ninfer.engine.layers.linear import GroupQuantized
     from ninfer.engine.layers.quant_gemv_triton import (int4_dequantize_triton, int4_gemv_dot_triton,
                                                         int4_gemv_split_triton, int4_gemv_triton, pack_int4)
 
+    symmetric = with_offset == "symmetric"
+    assert not (symmetric and bits != 4)
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         held = pack_int4(q)
@@ -427,19 +431,21 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         held = q
     scale = torch.rand(n, k // group) * 0.1 + 0.01
-    offset = -8 * scale * (0.5 + torch.rand(n, k // group)) if with_offset else None
+    offset = -8 * scale * (0.5 + torch.rand(n, k // group)) if with_offset is True else None
     s16 = scale.half()
     o16 = None if offset is None else offset.half()
-    ref_w = GroupQuantized(q, s16.float(), None if o16 is None else o16.float(), group, bits, "test").dequantize()
+    ref_o = (-8 * s16.float()) if symmetric else None if o16 is None else o16.float()
+    ref_w = GroupQuantized(q, s16.float(), ref_o, group, bits, "test").dequantize()
     held, s16, o16 = held.to(device), s16.to(device), None if o16 is None else o16.to(device)
+    zero = 8 if symmetric else 0
     if kernel == "dequantize":
         w = torch.empty(n, k + 8, dtype=dtype, device=device)[:, 4:4 + k]  # rows strided
-        w = int4_dequantize_triton(held, s16, o16, group, w)
+        w = int4_dequantize_triton(held, s16, o16, group, w, zero=zero)
         assert rel_err(w.float(), ref_w.to(device)) < tol
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
     gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
-    out = gemv(x, held, s16, o16, group, tiles)
+    out = gemv(x, held, s16, o16, group, tiles, zero=zero)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
 
