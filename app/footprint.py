@@ -29,6 +29,9 @@ GRAPH_PER_LANE = 4 * MiB
 # ``mixed_graph_tokens``)
 PIECE_TOKENS = 2048
 SCORE_BLOCK = (1 << 26) * 4  # engine/layers/attention.py: fp32 score block per query chunk
+# weights held quantized on a GPU: prompt rows dequantize a block of this many weight elements
+# at a time into one buffer for cuBLAS (``engine/layers/linear.DEQUANT_BLOCK_ELEMENTS``)
+DEQUANT_BLOCK_ELEMENTS = 1 << 25
 # prefix checkpoints kept on the device by default: their state slots (hybrid models), as the
 # engine sizes them (``engine/memory.prefix_checkpoints``): four per lane, at least 16, halved
 # while their slots would take more than a quarter of the free memory
@@ -120,6 +123,8 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
     mtp = s.drafts > 0 and shape.mtp_layers > 0
     workspace = s.prefill_chunk * activation_per_token(c, s.elt)  # engine/memory.py
     workspace += s.lanes * (s.drafts + 1) * c.vocab_size * 4  # fp32 logits of every decode row
+    if s.cuda and WEIGHT_BITS[s.weights] < 16:
+        workspace += DEQUANT_BLOCK_ELEMENTS * s.elt
     if not s.cuda and shape.n_attention:  # the CPU's attention gathers a sequence's K/V, expanded to fp32 per head
         gathered = 2 * c.num_key_value_heads * c.head_dim * s.elt
         expanded = 2 * c.num_attention_heads * c.head_dim * 4

@@ -14,7 +14,7 @@ from .footprint import (WEIGHT_BITS, GiB, MiB, Settings, default_checkpoints, fo
                         model_weight_bytes, weight_bytes)
 from .model_info import ModelShape
 
-CONTEXT_LADDER = (262144, 196608, 131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096)
+CONTEXT_LADDER = (262144, 196608, 131072, 98304, 65536, 49152, 40960, 32768, 24576, 16384, 12288, 8192, 6144, 4096)
 MIN_CONTEXT = 4096
 AUTO_LANES = (8, 4, 2, 1)
 AUTO_LANES_CONTEXT = 32768  # auto lanes: the most lanes that still give each request this much

@@ -35,9 +35,13 @@ def test_parameter_counts_match_the_model_names():
 
 
 def test_byte_math_agrees_with_the_engine():
+    from ninfer.app.footprint import DEQUANT_BLOCK_ELEMENTS
     from ninfer.engine.cache.manager import kv_bytes_per_token as engine_kv
     from ninfer.engine.cache.manager import state_shapes
     from ninfer.engine.cache.state_pool import StateSlotPool
+    from ninfer.engine.layers import linear
+
+    assert DEQUANT_BLOCK_ELEMENTS == linear.DEQUANT_BLOCK_ELEMENTS  # the quantized weights' dequantize buffer
 
     for shape in SHAPES.values():
         assert kv_bytes_per_token(shape, 2) == engine_kv(shape.config, torch.bfloat16)
@@ -232,15 +236,16 @@ def test_the_27b_on_a_16_gb_card():
     """The 27B in bf16 (50 GiB) on an RTX 5060 Ti: 4-bit weights, the token table in host memory,
     the LM head in 4 bits, 4-bit KV, a bf16 state and four device checkpoints, each of which buys
     context (before: refused, its 16.8 GiB of weights counted with the table and a 16-bit head);
-    the server's command carries every one of them. Under a 16 GiB cap (an H200 held to 16 GiB,
-    no desktop) the same plan reaches 64K."""
+    the server's command carries every one of them (40,960 tokens: 49,152 until the plan counted
+    the 64 MiB buffer prompt rows dequantize the weights into). Under a 16 GiB cap (an H200 held to
+    16 GiB, no desktop) the same plan reaches 64K."""
     from ninfer.server.cli import build_parser
 
     shape = SHAPES["Qwen3.5-27B"]
     plan = make_plan(shape, gpu(16))
     s = plan.settings
     assert (s.weights, s.kv_elt, s.state_elt, s.embedding_host, s.checkpoints) == ("4bit", 0.5, 2, True, 4)
-    assert s.lanes == 1 and s.context >= 49152 and plan.total + plan.margin <= gpu(16).free
+    assert s.lanes == 1 and s.context >= 40960 and plan.total + plan.margin <= gpu(16).free
     assert plan.parts["weights"] < 12.8 * (1 << 30)
     args = build_parser().parse_args(plan.server_args())
     assert (args.weights, args.head_weights, args.kv_dtype, args.state_dtype) == ("int4", "int4", "4bit", "bf16")
