@@ -264,9 +264,15 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     kk = tl.arange(0, BLOCK_K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
         if BITS == 4:
-            xp = x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + 2 * j)[None, :]
-            xe = tl.load(xp, mask=mmask[:, None], other=0.0)
-            xo = tl.load(xp + 1, mask=mmask[:, None], other=0.0)
+            if ONE_ROW:  # the one row's chunk loaded once, contiguous; the dot's padding rows zeros, not loads
+                xv = tl.load(x_ptr + k0 + kk)
+                xe1, xo1 = tl.split(tl.reshape(xv, (BLOCK_K // 2, 2)))
+                xe = tl.where(m[:, None] == 0, xe1[None, :], 0.0).to(xv.dtype)
+                xo = tl.where(m[:, None] == 0, xo1[None, :], 0.0).to(xv.dtype)
+            else:
+                xv = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None],
+                             other=0.0)
+                xe, xo = tl.split(tl.reshape(xv, (M_PAD, BLOCK_K // 2, 2)))
             b = tl.load(q_ptr + rows_in[:, None] * stride_qn + (k0 // 2 + j)[None, :])
             lo, hi = _nibble_floats(b, xe.dtype, BASE_BITS)
             if DOT_FP32:  # Triton's CPU interpreter multiplies bf16 operands' raw bits in tl.dot
@@ -275,9 +281,9 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
             else:
                 r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
             if ONE_ROW:  # the sum of the one real row (the other 15 of the dot's are zeros)
-                xs = tl.where(m == 0, tl.sum(tl.load(x_ptr + k0 + kk).to(tl.float32), 0), 0.0)
+                xs = tl.where(m == 0, tl.sum(xv.to(tl.float32), 0), 0.0)
             else:
-                xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+                xs = tl.sum(xv.to(tl.float32), 1)
         else:
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None],
                         other=0.0)
