@@ -108,6 +108,10 @@ class LaunchSettings:
     # decode and verify rows (up to 64) of a 4-bit or 8-bit weight through the split-K GEMV on the tensor
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
     int4_split_gemv: bool = True
+    # its tiles: weight rows a program, columns a chunk (at most a group), warps, and the programs
+    # a multiprocessor the K split aims at (``PER_SM``; optional: ``num_stages``, ``UNROLL``)
+    int4_split_tiles: dict = field(default_factory=lambda: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
+                                                            "PER_SM": 4})
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

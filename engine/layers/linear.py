@@ -261,7 +261,8 @@ class TritonGroupMethod(LinearMethod):
         settings = launch.current()
         if x2.shape[0] <= SPLIT_MAX_ROWS and split_takes(self.group, self.bits) \
                 and x.dtype in (torch.bfloat16, torch.float16) and settings.int4_split_gemv:
-            out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group, zero=self.zero)
+            out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group,
+                                         settings.int4_split_tiles, zero=self.zero)
             return out.view(*lead, self.out_features)
         if x2.shape[0] <= GEMV_MAX_ROWS:
             out = int4_gemv_triton(x2, self.packed, self.scale, self.offset, self.group, zero=self.zero)

@@ -301,7 +301,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     _split_finish(acc, y_ptr, p_ptr, count_ptr, rows, rmask, m, mmask, N, SPLITS, stride_ym, stride_ps, SPLIT)
 
 
-SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+SPLIT_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}  # the server's: launch setting ``int4_split_tiles``
 SPLIT_MAX_ROWS = 64  # input rows the split GEMV takes (padded to a power of two from 16 for the tensor cores)
 SPLIT_PROGRAMS_PER_SM = 4  # K is split until the programs number about this many per SM
 _SMS: dict[int, int] = {}
@@ -316,22 +316,24 @@ def _sms(device: torch.device) -> int:
     return _SMS[i]
 
 
-def split_count(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
-    """K splits of the split GEMV: enough programs for ``SPLIT_PROGRAMS_PER_SM`` a multiprocessor,
-    at most one chunk of ``block_k`` columns a split."""
+def split_count(n: int, k: int, block_n: int, block_k: int, device: torch.device,
+                per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
+    """K splits of the split GEMV: enough programs for ``per_sm`` a multiprocessor, at most one
+    chunk of ``block_k`` columns a split."""
     programs = triton.cdiv(n, block_n)
-    want = SPLIT_PROGRAMS_PER_SM * _sms(device)
+    want = per_sm * _sms(device)
     return max(1, min(k // block_k, triton.cdiv(want, programs)))
 
 
-def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, split: int | None):
+def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, split: int | None,
+                per_sm: int = SPLIT_PROGRAMS_PER_SM):
     """What a launch of a split GEMV over ``[M, K] @ [N, K]^T`` takes: ``(y, row blocks, chunks a
     split, splits, the fp32 partial-sum planes (y itself with one split), the arrival counters)``;
     ``split`` of None: ``split_count``'s. Inside a CUDA-graph capture before any counters exist,
     one split."""
     m = x.shape[0]
     steps_all = k // block_k
-    split = split or split_count(n, k, block_n, block_k, x.device)
+    split = split or split_count(n, k, block_n, block_k, x.device, per_sm)
     steps = triton.cdiv(steps_all, min(split, steps_all))
     split = triton.cdiv(steps_all, steps)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -367,7 +369,8 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     block_k = min(t["BLOCK_K"], group & -group)  # a power of two dividing the group
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"))
+    y, blocks, steps, split, partial, counts = _split_plan(x, n, k, t["BLOCK_N"], block_k, t.get("SPLIT"),
+                                                           t.get("PER_SM", SPLIT_PROGRAMS_PER_SM))
     bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
     base += _zero(zero, offset, bits_w)
     _int4_gemv_split_kernel[(blocks, split)](

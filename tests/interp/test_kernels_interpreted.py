@@ -526,6 +526,34 @@ def test_int4_triton_method_rows_past_the_gemv(rows):
     assert out.dtype == torch.bfloat16 and rel_err(out.float(), x.float() @ w.dequantize().T) < 1e-2
 
 
+def test_the_split_gemv_takes_its_tiles_from_the_launch_settings(monkeypatch):
+    """A held 4-bit weight's decode rows run the split GEMV with the launch setting
+    ``int4_split_tiles`` in force (rows a program, warps, the programs a multiprocessor its K
+    split aims at), and give the same product at every choice."""
+    from ninfer.engine import launch
+    from ninfer.engine.layers import linear, quant_gemv_triton as qg
+    from ninfer.engine.layers.linear import GroupQuantized
+
+    seen = []
+    real = qg.int4_gemv_split_triton
+    monkeypatch.setattr(qg, "int4_gemv_split_triton", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))
+    monkeypatch.setattr(qg, "_sms", lambda device: 4)
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (48, 512), dtype=torch.uint8)
+    w = GroupQuantized(q, (torch.rand(48, 4) * 0.02 + 0.001).half().float(), (torch.rand(48, 4) * -0.1).half().float(),
+                       128, 4, "test")
+    method = linear.TritonGroupMethod.from_groups(w, torch.device("cpu"))
+    x = torch.randn(2, 512).to(torch.bfloat16)
+    want = x.float() @ w.dequantize().T
+    for tiles in ({"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "PER_SM": 4},
+                  {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 2, "PER_SM": 1}):
+        with launch.using(int4_split_tiles=tiles):
+            assert rel_err(method(x).float(), want) < 1e-2
+        assert seen[-1] == tiles
+    assert qg.split_count(48, 512, 16, 128, torch.device("cpu"), per_sm=4) == 4  # 3 row blocks, 16 programs wanted
+    assert qg.split_count(48, 512, 32, 64, torch.device("cpu"), per_sm=1) == 2
+
+
 def test_a_symmetric_4_bit_weight_is_held_without_offsets(monkeypatch):
     """A 4-bit weight whose offsets are all ``-8 * scale`` (a GPTQ ``sym`` checkpoint's, GGUF
     Q4_0's) is held for the Triton kernels as scales alone with the zero point 8: a sixteenth
