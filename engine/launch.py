@@ -109,7 +109,7 @@ class LaunchSettings:
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
     int4_split_gemv: bool = True
     # its tiles: weight rows a program, columns a chunk (at most a group), warps, and the programs
-    # a multiprocessor the K split aims at (``PER_SM``; optional: ``num_stages``, ``UNROLL``)
+    # a multiprocessor the K split aims at (``PER_SM``; optional: ``num_stages``)
     int4_split_tiles: dict = field(default_factory=lambda: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
                                                             "PER_SM": 4})
 

@@ -237,8 +237,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                             stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr,
-                            UNROLL: tl.constexpr = 1):
+                            SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -262,7 +261,7 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     k_begin = split * STEPS * BLOCK_K
     k_end = tl.minimum(K, k_begin + STEPS * BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K):
         if BITS == 4:
             if ONE_ROW:  # the one row's chunk loaded once, contiguous; the dot's padding rows zeros, not loads
                 xv = tl.load(x_ptr + k0 + kk)
@@ -379,7 +378,7 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        ONE_ROW=m == 1, UNROLL=t.get("UNROLL", 1), num_warps=t["num_warps"],
+        ONE_ROW=m == 1, num_warps=t["num_warps"],
         **({"num_stages": t["num_stages"]} if "num_stages" in t else {}))
     return y
 
