@@ -22,7 +22,9 @@
 # 27B's projections, and bench.decode of the 27B and the 35B-A3B with --weights int4, the 27B
 # in bf16 beside it: issue 21's decode and 16K-prompt figures, and bench.profile of the 27B's
 # 4-bit decode step and 16K prompt) or "presets" (measure_presets under a 16 GiB cap from 4-bit
-# random checkpoints: the 27B at 128K with 4-bit KV and at 64K with fp8, the 9B at 262,144), so a machine that limits one command's time can take the run in several
+# random checkpoints: the 27B at 128K with 4-bit KV and at 64K with fp8, the 9B at 262,144) or
+# "memory" (the same plans' commands through bench.memory: their bytes by stage, and by source
+# where they run out), so a machine that limits one command's time can take the run in several
 # calls; "all" runs neither tuning part nor "pdl" nor "ab" nor "serve" nor "vision".
 # Needs a CUDA build of torch with Triton, fla-core and the test extras. On an H200 with a cold
 # Triton cache the tests alone take more than 5 minutes (a 290 s limit cut them short twice), the
@@ -31,8 +33,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/out}
 parts=${2:-all}
-case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | cache16 | steps | vision | int4 | presets) ;;
-    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, cache16, steps, vision, int4, presets)" >&2
+case "$parts" in all | tests | bench | tune | gemv | pdl | ab | serve | cache | cache16 | steps | vision | int4 | presets | memory) ;;
+    *) echo "unknown PARTS: $parts (all, tests, bench, tune, gemv, pdl, ab, serve, cache, cache16, steps, vision, int4, presets, memory)" >&2
         exit 2 ;;
 esac
 mkdir -p "$out"
@@ -81,6 +83,12 @@ if [ "$parts" = int4 ]; then
         --steps 16 --no-hf --json "$out/35b-a3b-int4.json"
     run 27b-int4-profile "$py" -m bench.profile --shape qwen3.5-27b --weights int4 --batch 1 --context 512 \
         --prefill 16384 --steps 4
+fi
+if [ "$parts" = memory ]; then  # the 16 GiB plans' commands through bench.memory: their bytes by stage and source
+    run memory-9b "$py" -m ninfer.bench.measure_presets --shape Qwen3.5-9B --checkpoint-format gptq \
+        --lanes 1 --cap-gib 16 --prompt-tokens 16384 --memory --out "$out/memory-9b.json"
+    run memory-27b "$py" -m ninfer.bench.measure_presets --shape Qwen3.5-27B --checkpoint-format gptq \
+        --lanes 1 --cap-gib 16 --prompt-tokens 16384 --memory --out "$out/memory-27b.json"
 fi
 if [ "$parts" = presets ]; then  # issue 21's 16 GiB rows, from 4-bit random checkpoints (15 GB of disk for the 27B)
     run presets-27b-4bit "$py" -m ninfer.bench.measure_presets --shape Qwen3.5-27B --checkpoint-format gptq \

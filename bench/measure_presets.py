@@ -10,7 +10,9 @@ writes JSON; rows that held go into app/presets.json by hand, with the note it p
 
 ``--cap-gib``: plan for the GPU as if it had only that many GiB (no desktop on it), and run the
 server held to them (``--gpu-memory-gib``, torch's per-process memory fraction): the rows of a
-smaller card, measured on a big one.
+smaller card, measured on a big one. ``--memory``: each plan's command through ``bench.memory``
+instead (the engine in-process, its memory by stage against the plan's parts, and where it runs
+out, the live allocations by source).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from ..app.gpu_probe import plan_device, probe
-from ..app.launch import child_env, parse_options, read_serve_args, resolve
+from ..app.launch import child_env, parse_options, read_serve_args, resolve, serve_executable
 from ..app.plan import GiB
 from .shapes import random_checkpoint, random_gptq_checkpoint
 
@@ -52,7 +54,7 @@ class Peak(threading.Thread):
 
 
 def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float | None = None,
-        serve_args: list[str] = ()) -> dict:
+        serve_args: list[str] = (), memory: bool = False) -> dict:
     extra = ([] if cap_gib is None else ["--gpu-memory-gib", f"{cap_gib:g}"]) + list(serve_args)
     probed = None
     if cap_gib is not None:
@@ -64,6 +66,14 @@ def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float |
     resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port), *extra]),
                        probe_result=probed)
     plan = resolved.plan
+    if memory:  # the plan's command through ``bench.memory`` instead of a server: where its bytes go
+        print(plan.describe(), flush=True)
+        tokens = min(prompt_tokens, plan.settings.context - 64)
+        report = [sys.executable, "-m", f"{__package__}.memory", "--prompt-tokens", str(tokens), "--",
+                  *resolved.command[len(serve_executable()):]]
+        rc = subprocess.run(report, env=child_env()).returncode
+        return {"lanes": lanes, "cap_gib": cap_gib, "context": plan.settings.context, "plan_bytes": plan.total,
+                "command": resolved.command, "fits": rc == 0, "memory_report": True}
     peak = Peak(plan.device.index)
     peak.start()
     server = subprocess.Popen(resolved.command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,6 +131,9 @@ def main() -> int:
     p.add_argument("--checkpoint-format", choices=["bf16", "gptq"], default="bf16",
                    help="the random weights in bf16, or 4-bit as gptqmodel saves them (the 27B in 15 GB of disk)")
     p.add_argument("--cap-gib", default="", help="comma-separated GiB: plan and run held to each (default: the card)")
+    p.add_argument("--memory", action="store_true",
+                   help="run each plan's command through bench.memory (its memory by stage and, where it runs out, "
+                        "by source) instead of serving it")
     args = p.parse_args()
     result = probe()
     print(result.summary(), flush=True)
@@ -135,8 +148,10 @@ def main() -> int:
     rows = []
     caps = [float(x) for x in args.cap_gib.split(",") if x] or [None]
     for cap, lanes in ((c, n) for c in caps for n in (int(x) for x in args.lanes.split(","))):
-        row = one(model, lanes, args.prompt_tokens, args.port, cap, args.serve_args.split())
+        row = one(model, lanes, args.prompt_tokens, args.port, cap, args.serve_args.split(), args.memory)
         rows.append(row)
+        if args.memory:
+            continue
         print(f"{args.shape} {'' if cap is None else f'held to {cap:g} GiB, '}lanes {lanes}: context {row['context']:,} chunk {row['prefill_chunk']} drafts "
               f"{row['drafts']} | plan {row['plan_bytes'] / GiB:.1f} GiB, peak {row['peak_bytes'] / GiB:.1f} GiB, "
               f"prompts {row.get('prompt_tokens')} in {row.get('requests_s')} s -> {'held' if row['fits'] else 'NO'}",

@@ -193,3 +193,34 @@ def test_int4_floor_counts_a_fused_projection_once(monkeypatch):
     apart = streamed_weight_bytes(model)
     assert fuse_model_projections(model) > 0
     assert streamed_weight_bytes(model) == apart
+
+
+def test_the_memory_report_groups_live_blocks_by_pool_and_source():
+    """``bench.memory``'s reading of torch's allocator snapshot: reserved and allocated bytes per
+    pool (a CUDA graph's private pool apart from the default one), and the live blocks summed by
+    the package's own frames of the stack that made them, largest first; freed blocks left out."""
+    from bench.memory import by_source, pools
+
+    def frame(file, line, name):
+        return {"filename": f"/x/ninfer/engine/{file}", "line": line, "name": name}
+
+    linear = [frame("linear.py", 276, "forward"), {"filename": "/usr/lib/torch/nn.py", "line": 1, "name": "call"},
+              frame("mlp.py", 30, "_rows")]
+    kv = [frame("kv_pool.py", 64, "__init__")]
+    snapshot = {"segments": [
+        {"segment_pool_id": (0, 0), "total_size": 300, "allocated_size": 250, "blocks": [
+            {"state": "active_allocated", "size": 200, "frames": kv},
+            {"state": "active_allocated", "size": 50, "frames": linear},
+            {"state": "inactive", "size": 50, "frames": linear}]},
+        {"segment_pool_id": (0, 1), "total_size": 120, "allocated_size": 70, "blocks": [
+            {"state": "active_allocated", "size": 40, "frames": linear},
+            {"state": "active_allocated", "size": 30, "frames": linear},
+            {"state": "active_pending_free", "size": 50, "frames": kv}]},
+    ]}
+    assert pools(snapshot) == {"default": (300, 250), "graphs (0, 1)": (120, 70)}
+    assert by_source(snapshot) == [
+        ("default", "kv_pool.py:64:__init__", 200),
+        ("graphs (0, 1)", "linear.py:276:forward <- mlp.py:30:_rows", 70),
+        ("default", "linear.py:276:forward <- mlp.py:30:_rows", 50),
+    ]
+    assert by_source(snapshot, top=1) == [("default", "kv_pool.py:64:__init__", 200)]
