@@ -21,7 +21,7 @@ from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
 from .grammar import GrammarError, Grammars
-from .memory import checkpoints_ahead, moving_slots, plan_kv_pages, prefix_checkpoints
+from .memory import check_step_room, checkpoints_ahead, moving_slots, plan_kv_pages, prefix_checkpoints
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
 from .outputs import merge as merge_outputs
@@ -93,6 +93,7 @@ class LLMEngine:
         self._stepped: tuple[int, int] | None = None  # the step read in this call: decode rows, prompt tokens
         self._step_end = 0.0  # perf_counter at the end of the last step (the pace's clock)
         if self.device.type == "cuda":
+            check_step_room(shape, config)
             self.warm_up()
 
     PACE_FLOOR = 128  # prompt tokens a step beside decode rows carries at least (pace.py)

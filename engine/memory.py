@@ -64,6 +64,38 @@ def workspace_bytes(model: ModelConfig, config: EngineConfig) -> int:
         config.max_concurrency * (1 + drafts) * model.vocab_size * 4 + verify
 
 
+def step_room_problem(free: int, model: ModelConfig, config: EngineConfig) -> str | None:
+    """Where a KV cache of a given size (``--kv-capacity``) leaves ``free`` bytes, fewer than a
+    step's activations take (``workspace_bytes``), what to change; None where they fit or the
+    engine sized the cache itself (its budget counts them)."""
+    if config.kv_capacity is None:
+        return None
+    need = workspace_bytes(model, config)
+    if free >= need:
+        return None
+    gib = 1 << 30
+    return (f"--kv-capacity {config.kv_capacity:,} leaves {free / gib:.2f} GiB of the GPU's memory for a step's "
+            f"activations, which take about {need / gib:.2f} GiB at --prefill-chunk {config.prefill_chunk}: "
+            f"lower --kv-capacity or --prefill-chunk"
+            + (", or raise --gpu-memory-gib" if config.gpu_memory_gib is not None else ""))
+
+
+def check_step_room(model: ModelConfig, config: EngineConfig) -> None:
+    """At engine build, after the caches and the CUDA graphs took theirs: a step's activations fit
+    what is left (``step_room_problem``), else a ValueError at start rather than running out of
+    memory at the first long prompt."""
+    device = torch.device(config.device)
+    if device.type != "cuda" or config.kv_capacity is None:
+        return
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    if config.gpu_memory_gib is not None:
+        free = min(free, int(config.gpu_memory_gib * (1 << 30)) - torch.cuda.memory_reserved(device))
+    problem = step_room_problem(free, model, config)
+    if problem:
+        raise ValueError(problem)
+
+
 def _slot_bytes(model: ModelConfig, config: EngineConfig) -> int:
     if not model.is_hybrid:
         return 0

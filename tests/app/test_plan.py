@@ -325,3 +325,26 @@ def test_the_plan_counts_the_bytes_the_engine_holds_at_the_real_shapes(name, bit
     planned = model_weight_bytes(shape, Settings(lanes=1, context=4096, prefill_chunk=2048, drafts=0, weights=weights,
                                                  elt=2, cuda=True, head_bits=8))
     assert held == pytest.approx(planned, rel=0.01), (held / 2**30, planned / 2**30)
+
+
+def test_a_kv_cache_given_its_size_must_leave_a_steps_activations_room():
+    """The engine refuses at start a ``--kv-capacity`` that leaves fewer bytes than a step's
+    activations take (the 9B's 4,096-token chunk: about 0.55 GiB), naming what to lower, where it
+    would otherwise run out of memory at the first long prompt; an engine-sized cache (no
+    capacity given) counted them itself."""
+    from ninfer.engine.config import ModelConfig
+    from ninfer.engine.engine_config import EngineConfig
+    from ninfer.engine.memory import step_room_problem, workspace_bytes
+
+    model = ModelConfig.from_hf_dict(KNOWN["Qwen3.5-9B"])
+    config = EngineConfig(device="cuda", dtype=torch.bfloat16, max_context=262144, max_concurrency=1,
+                          prefill_chunk=4096, kv_capacity=262144, gpu_memory_gib=16)
+    need = workspace_bytes(model, config)
+    assert 0.5 * (1 << 30) < need < 0.6 * (1 << 30)
+    problem = step_room_problem(int(0.21 * (1 << 30)), model, config)
+    assert problem.startswith("--kv-capacity 262,144 leaves 0.21 GiB") and "--prefill-chunk 4096" in problem
+    assert "lower --kv-capacity or --prefill-chunk, or raise --gpu-memory-gib" in problem
+    assert step_room_problem(need, model, config) is None
+    sized = EngineConfig(device="cuda", dtype=torch.bfloat16, max_context=262144, max_concurrency=1,
+                         prefill_chunk=4096)
+    assert step_room_problem(0, model, sized) is None
