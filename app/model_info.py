@@ -158,14 +158,15 @@ def shape_from_dict(cfg: dict[str, Any], name: str = "model", gguf: bool = False
     vision = count_vision(cfg, max_pixels)
     quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
     bits = quant.get("bits") or quant.get("w_bit")
-    if bits is None and str(quant.get("quant_method", "")).lower() in ("fp8", "mxfp8"):
+    method = str(quant.get("quant_method", "")).lower() or None
+    if bits is None and method in ("fp8", "mxfp8"):
         bits = 8
     return ModelShape(
         name=name, config=config, params=count_params(config, gated),
         mtp_params=count_mtp_params(config, mtp, gated), mtp_layers=mtp,
         quant_bits=int(bits) if bits else None, gguf=gguf,
-        quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
-        quant_symmetric=str(quant.get("quant_method", "")).lower() == "gptq" and bits == 4 and bool(quant.get("sym", True)),
+        quant_method=method,
+        quant_symmetric=method == "gptq" and bits == 4 and bool(quant.get("sym", True)),
         vision_params=vision[0], vision_activations=vision[1],
     )
 

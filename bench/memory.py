@@ -20,14 +20,19 @@ GiB, MiB = 1 << 30, 1 << 20
 OWN = "ninfer"  # frames from this package name an allocation's source
 
 
+def _pool(segment: dict) -> str:
+    """A snapshot segment's pool: "default", or a CUDA graph's private pool by its id."""
+    pool_id = tuple(segment.get("segment_pool_id") or (0, 0))
+    return "default" if pool_id == (0, 0) else f"graphs {pool_id}"
+
+
 def by_source(snapshot: dict, top: int = 20) -> list[tuple[str, str, int]]:
     """``torch.cuda.memory._snapshot()``'s live blocks as ``(pool, source, bytes)``, largest
     first: ``pool`` "default" or the private pool's id (a CUDA graph's), ``source`` the package's
     own frames of the allocation's stack (innermost first)."""
     sizes: collections.Counter = collections.Counter()
     for seg in snapshot.get("segments", []):
-        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
-        pool = "default" if pool_id == (0, 0) else f"graphs {pool_id}"
+        pool = _pool(seg)
         for block in seg.get("blocks", []):
             if block.get("state") != "active_allocated":
                 continue
@@ -41,9 +46,7 @@ def pools(snapshot: dict) -> dict[str, tuple[int, int]]:
     """Reserved and allocated bytes by pool ("default", or a CUDA graph's private pool)."""
     out: dict[str, list[int]] = {}
     for seg in snapshot.get("segments", []):
-        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
-        pool = "default" if pool_id == (0, 0) else f"graphs {pool_id}"
-        row = out.setdefault(pool, [0, 0])
+        row = out.setdefault(_pool(seg), [0, 0])
         row[0] += seg["total_size"]
         row[1] += seg["allocated_size"]
     return {k: (v[0], v[1]) for k, v in out.items()}

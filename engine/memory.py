@@ -16,6 +16,16 @@ DEVICE_FRACTION = 0.90  # of free GPU memory after weights, for state slots + KV
 HOST_FRACTION = 0.25  # of available RAM when running on the CPU
 
 
+def _gpu_free_bytes(device: torch.device, cap_gib: float | None) -> int:
+    """The GPU's free bytes, what torch caches unheld given back first; under a cap what the cap
+    leaves beside this process's allocations."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    if cap_gib is not None:
+        free = min(free, int(cap_gib * (1 << 30)) - torch.cuda.memory_reserved(device))
+    return free
+
+
 def free_memory_bytes(device: torch.device, cap_gib: float | None = None) -> int:
     """What the caches may take of the memory left on ``device``; on a GPU under a cap
     (``EngineConfig.gpu_memory_gib``) what the cap leaves beside this process's allocations.
@@ -23,11 +33,7 @@ def free_memory_bytes(device: torch.device, cap_gib: float | None = None) -> int
     counts as free: a load's temporaries (the 9B's projections fused after they were made: about
     16 GB) would otherwise be missing from the KV pool and the CUDA-graph pieces' share."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(device)
-        if cap_gib is not None:
-            free = min(free, int(cap_gib * (1 << 30)) - torch.cuda.memory_reserved(device))
-        return int(free * DEVICE_FRACTION)
+        return int(_gpu_free_bytes(device, cap_gib) * DEVICE_FRACTION)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -87,11 +93,7 @@ def check_step_room(model: ModelConfig, config: EngineConfig) -> None:
     device = torch.device(config.device)
     if device.type != "cuda" or config.kv_capacity is None:
         return
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(device)
-    if config.gpu_memory_gib is not None:
-        free = min(free, int(config.gpu_memory_gib * (1 << 30)) - torch.cuda.memory_reserved(device))
-    problem = step_room_problem(free, model, config)
+    problem = step_room_problem(_gpu_free_bytes(device, config.gpu_memory_gib), model, config)
     if problem:
         raise ValueError(problem)
 
