@@ -16,7 +16,7 @@ import torch
 
 from .cache.kv_pool import pool_rows
 from .cache.manager import CacheManager
-from .models.base import ForwardBatch, PromptRows, StepMeta, VerifyRows, chunk_pairs
+from .models.base import ForwardBatch, PromptRows, StepMeta, VerifyRows, chunk_offsets, chunk_pairs
 from .request import Request
 
 
@@ -175,8 +175,9 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
     if given is not None:
         tokens = list(given)
     pairs = chunk_pairs(cu) if prompt_rows else []
+    offsets = chunk_offsets(cu) if prompt_rows else []
     wide = _aligned(tokens, 2) + _aligned(positions, 2) + _aligned(writes, 2) + _aligned(kv_slots, 2) + \
-        _aligned(slots, 2) + _aligned(sample, 2) + _aligned(pairs, 2)
+        _aligned(slots, 2) + _aligned(sample, 2) + _aligned(pairs, 2) + _aligned(offsets, 2)
     narrow = _aligned(lens, 4) + (_aligned(cu, 4) if prompt_rows else []) + tables
     host = _int64(wide + narrow)
     if device.type == "cuda":
@@ -195,6 +196,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
     pos_t, write_t, kv_slot_t = take(n_tok), take(n_tok), take(len(kv_slots))
     slot_t, sample_t = take(rows), take(len(sample))
     pairs_t = take(len(pairs)).view(-1, 2)
+    offsets_t = take(len(offsets))
     small = dev[off:].to(torch.int32)
     lens_t = small[:rows]
     prompt = None
@@ -203,7 +205,7 @@ def _describe(layout: list[tuple[Request, int, int]], caches: CacheManager, devi
         at, end = off + cu_at, off + cu_at + prompt_rows + 1
         prompt = PromptRows(cu_seqlens=small[cu_at : cu_at + prompt_rows + 1], cu_seqlens_long=dev[at:end],
                             cu_seqlens_host=host[at:end], max_seqlen=max(n for _, _, n in layout[num_decode:]),
-                            slots_host=slots[num_decode:], chunks=pairs_t)
+                            slots_host=slots[num_decode:], chunks=pairs_t, chunk_offsets=offsets_t)
         cu_at += len(_aligned(cu, 4))
     verify = _verify_rows(layout, num_decode, verify, slots, device) if verify and caches.states is not None \
         else None

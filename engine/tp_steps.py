@@ -19,7 +19,7 @@ import torch
 
 from . import parallel
 from .cache.manager import CacheManager
-from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta, chunk_pairs
+from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta, chunk_offsets, chunk_pairs
 
 log = logging.getLogger("ninfer.engine")
 
@@ -131,7 +131,8 @@ def rebuild(msg: StepMessage, caches: CacheManager, device: torch.device) -> tup
         cu = dev(msg.cu_seqlens)
         prompt = PromptRows(cu_seqlens=cu.to(torch.int32), cu_seqlens_long=cu, cu_seqlens_host=msg.cu_seqlens,
                             max_seqlen=msg.max_seqlen, slots_host=msg.slots_host,
-                            chunks=dev(torch.tensor(chunk_pairs(msg.cu_seqlens.tolist()), dtype=torch.long).view(-1, 2)))
+                            chunks=dev(torch.tensor(chunk_pairs(msg.cu_seqlens.tolist()), dtype=torch.long).view(-1, 2)),
+                            chunk_offsets=dev(torch.tensor(chunk_offsets(msg.cu_seqlens.tolist()), dtype=torch.long)))
     meta = StepMeta(kv=caches.kv, states=caches.states, attn_ordinal=caches.attn_ordinal,
                     gdn_ordinal=caches.gdn_ordinal, block_tables=dev(msg.block_tables),
                     context_lens=dev(msg.context_lens), write_index=dev(msg.write_index), slot_ids=dev(msg.slot_ids),

@@ -188,7 +188,7 @@ class GatedDeltaNet(NormFusedInput, nn.Module):
         q, k, v = prompt_conv_triton(groups, self.conv1d.weight, conv_pool, slots, prompt.cu_seqlens_long, prompt.chunks,
                               self.num_k_heads, self.head_k_dim)
         return prompt_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, rec_pool, slots, prompt.cu_seqlens_long,
-                                 prompt.chunks)
+                                 prompt.chunks, prompt.chunk_offsets)
 
     def _mix_varlen(self, groups: tuple[torch.Tensor, ...], g: torch.Tensor, beta: torch.Tensor,
                     conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor, prompt

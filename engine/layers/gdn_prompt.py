@@ -4,10 +4,10 @@ and as little Python per layer as the math allows.
 - ``prompt_conv``: the depthwise conv + SiLU from and into the rows' conv-state slots, q and k
   l2-normalised, in two Triton launches (``gdn_prompt_triton``); ``prompt_conv_reference`` is its
   torch reference, row by row.
-- ``prompt_delta_rule``: fla-core's chunked gated delta rule, its forward called as a plain
-  function (no autograd Function, guards or contiguity wrappers), the decay ``g`` computed and
-  summed inside its first kernel from the raw ``a``, and the recurrent states gathered from and
-  scattered to the slots.
+- ``prompt_delta_rule``: fla-core's chunked gated delta rule, its five kernels launched from a
+  thin call with their tuned choices fixed (``gdn_chunk_fla``: no autograd Function, dispatch,
+  guards or per-launch autotuner keys), the decay ``g`` computed and summed inside its first
+  kernel from the raw ``a``, and the recurrent states gathered from and scattered to the slots.
 """
 from __future__ import annotations
 
@@ -56,19 +56,21 @@ def prompt_conv(groups: tuple[torch.Tensor, ...], weight: torch.Tensor, conv_poo
 
 def prompt_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor, chunks: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """fla-core's chunked forward over the flat run (CUDA): q, k (l2-normalised), v as
     :func:`prompt_conv` gives them, ``a`` / ``b`` ``[T, Hv]`` the raw gate projections
     (``g = -exp(A_log) * softplus(a + dt_bias)`` inside fla's first kernel, ``beta = sigmoid(b)``),
     each row's state read from its slot of ``rec_pool`` ``[slots, Hv, K, V]`` and its final state
-    written back. Returns ``[T, Hv, V]`` in v's dtype."""
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    written back; ``offsets`` each row's first chunk in ``chunks`` (``PromptRows.chunk_offsets``;
+    None: computed here). Its kernels launch from ``gdn_chunk_fla``'s thin call. Returns
+    ``[T, Hv, V]`` in v's dtype."""
+    from .gdn_chunk_fla import chunk_delta_rule, chunk_offsets
 
-    beta = torch.sigmoid(b.float()).contiguous()
+    beta = torch.sigmoid(b.float())
     state = rec_pool.index_select(0, slots)
-    _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
-        q=q[None], k=k[None], v=v[None], g=a.contiguous()[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
-        initial_state=state if state.dtype == torch.float32 else state.float(), output_final_state=True,
-        cu_seqlens=cu_seqlens, chunk_indices=chunks, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    o, final = chunk_delta_rule(
+        q[None], k[None], v[None], a.contiguous()[None], beta[None], A_log, dt_bias,
+        state if state.dtype == torch.float32 else state.float(), cu_seqlens, chunks,
+        chunk_offsets(cu_seqlens) if offsets is None else offsets, k.shape[-1] ** -0.5)
     rec_pool.index_copy_(0, slots, final.to(rec_pool.dtype))
     return o[0].to(v.dtype)

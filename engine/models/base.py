@@ -39,9 +39,18 @@ class PromptRows:
     max_seqlen: int  # the longest row's new tokens
     slots_host: list[int]  # each row's state slot, on the host (the torch path loops over rows)
     chunks: torch.Tensor  # [chunks, 2] int64 on the device: (row, chunk) of GDN_CHUNK-token chunks
+    chunk_offsets: torch.Tensor | None = None  # [P + 1] int64 on the device: each row's first chunk in ``chunks``
 
 
 GDN_CHUNK = 64  # the Gated DeltaNet prompt kernels' chunk: fla-core's, so one table serves its kernels and ours
+
+
+def chunk_offsets(cu_seqlens: list[int], size: int = GDN_CHUNK) -> list[int]:
+    """Each row's first (row, chunk) pair in :func:`chunk_pairs`'s table, and their count."""
+    out = [0]
+    for r in range(len(cu_seqlens) - 1):
+        out.append(out[-1] - (-(cu_seqlens[r + 1] - cu_seqlens[r]) // size))
+    return out
 
 
 def chunk_pairs(cu_seqlens: list[int], size: int = GDN_CHUNK) -> list[int]:

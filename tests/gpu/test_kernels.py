@@ -301,7 +301,7 @@ def test_gdn_prompt_rows_match_fla_cores_own_calls(state_dtype):
     from types import SimpleNamespace
 
     from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
-    from ninfer.engine.models.base import chunk_pairs
+    from ninfer.engine.models.base import chunk_offsets, chunk_pairs
 
     torch.manual_seed(3)
     layer = GatedDeltaNet(0, 256, num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
@@ -318,7 +318,8 @@ def test_gdn_prompt_rows_match_fla_cores_own_calls(state_dtype):
     a, b = ab[:, :4], ab[:, 4:]
     cu = torch.tensor(bounds, device="cuda")
     prompt = SimpleNamespace(cu_seqlens_long=cu, cu_seqlens_host=torch.tensor(bounds),
-                             chunks=torch.tensor(chunk_pairs(bounds), device="cuda").view(-1, 2))
+                             chunks=torch.tensor(chunk_pairs(bounds), device="cuda").view(-1, 2),
+                             chunk_offsets=torch.tensor(chunk_offsets(bounds), device="cuda"))
     conv2, rec2 = conv.clone(), rec.clone()
     with torch.inference_mode():
         got = layer._mix_prompt_rows((qkv,), a, b, conv, rec, slots, prompt)
@@ -327,3 +328,33 @@ def test_gdn_prompt_rows_match_fla_cores_own_calls(state_dtype):
     assert rel_err(got.float(), want.float()) < 2e-2
     assert torch.equal(conv, conv2)
     assert rel_err(rec.float(), rec2.float()) < 2e-2
+
+
+def test_the_chunked_rules_thin_call_equals_fla_cores_forward():
+    """fla-core's five forward kernels launched from ``gdn_chunk_fla`` (the first launch through
+    its decorators, which tune; the next with their choices fixed) give fla-core's
+    ``chunk_gated_delta_rule_fwd``'s outputs and final states bit for bit, both times."""
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    from ninfer.engine.layers.gdn_chunk_fla import chunk_delta_rule, chunk_kernels, chunk_offsets
+    from ninfer.engine.models.base import chunk_pairs
+
+    torch.manual_seed(5)
+    bounds = [0, 300, 301, 303, 1100]
+    t, h, hv, d = bounds[-1], 2, 4, 128
+    q = torch.nn.functional.normalize(torch.randn(1, t, h, d, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda", dtype=torch.bfloat16)
+    a, beta = torch.randn(1, t, hv, device="cuda"), torch.rand(1, t, hv, device="cuda")
+    A_log, dt_bias = torch.randn(hv, device="cuda"), torch.randn(hv, device="cuda")
+    state = torch.randn(4, hv, d, d, device="cuda") * 0.05
+    cu = torch.tensor(bounds, device="cuda")
+    chunks = torch.tensor(chunk_pairs(bounds), device="cuda").view(-1, 2)
+    _, want_o, _, want_final, _, _ = chunk_gated_delta_rule_fwd(
+        q=q, k=k, v=v, g=a, beta=beta, scale=d ** -0.5, initial_state=state, output_final_state=True,
+        cu_seqlens=cu, chunk_indices=chunks, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    for _ in range(2):
+        o, final = chunk_delta_rule(q, k, v, a, beta, A_log, dt_bias, state, cu, chunks, chunk_offsets(cu), d ** -0.5)
+        assert torch.equal(o, want_o) and torch.equal(final, want_final)
+    fixed = chunk_kernels().states.fixed
+    assert len(fixed) == 1 and {"BV", "num_warps", "USE_INITIAL_STATE", "IS_VARLEN"} <= set(next(iter(fixed.values())))
