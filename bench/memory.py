@@ -1,7 +1,8 @@
 """Where a server's GPU memory goes: the engine built in-process from ninfer-serve's own
 arguments, torch's allocated and reserved bytes after each stage (the CUDA graphs' private pools
 apart from the rest), then one prompt of ``--prompt-tokens`` through it; where it runs out of
-memory, the live allocations grouped by the source line that made them, each pool apart.
+memory, the live allocations grouped by the source line that made them, each pool apart; after
+the build, what made the CUDA graphs' pools grow (their segments by the allocation that asked).
 
     python -m bench.memory --prompt-tokens 16384 -- MODEL --max-context 262144 --max-concurrency 1 \\
         --prefill-chunk 4096 --kv-capacity 262144 --gpu-memory-gib 16 ...
@@ -36,10 +37,31 @@ def by_source(snapshot: dict, top: int = 20) -> list[tuple[str, str, int]]:
         for block in seg.get("blocks", []):
             if block.get("state") != "active_allocated":
                 continue
-            frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
-                      for f in block.get("frames") or [] if OWN in f["filename"]]
-            sizes[(pool, " <- ".join(frames[:8]) or "(outside the package)")] += block["size"]
+            sizes[(pool, _source(block.get("frames")))] += block["size"]
     return [(pool, source, n) for (pool, source), n in sizes.most_common(top)]
+
+
+def _source(frames: list[dict] | None) -> str:
+    own = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in frames or [] if OWN in f["filename"]]
+    return " <- ".join(own[:8]) or "(outside the package)"
+
+
+def segment_growth(snapshot: dict, top: int = 20) -> list[tuple[str, str, int, int]]:
+    """Why the CUDA graphs' private pools hold what they hold: the segments each grew by (the
+    allocator's ``segment_alloc`` events at a graphs pool's segment addresses), summed by the
+    source of the allocation that asked for them, as ``(pool, source, segments, bytes)``, largest
+    first. A pool's blocks are mostly free between replays (its graphs' intermediates), so the
+    live blocks alone do not say what made it large."""
+    where = {seg["address"]: _pool(seg) for seg in snapshot.get("segments", []) if _pool(seg) != "default"}
+    grown: dict[tuple[str, str], list[int]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for event in trace:
+            if event.get("action") == "segment_alloc" and event.get("addr") in where:
+                row = grown.setdefault((where[event["addr"]], _source(event.get("frames"))), [0, 0])
+                row[0] += 1
+                row[1] += event["size"]
+    ranked = sorted(grown.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(pool, source, n, size) for (pool, source), (n, size) in ranked]
 
 
 def pools(snapshot: dict) -> dict[str, tuple[int, int]]:
@@ -82,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     from ninfer.server import bootstrap
     from ninfer.server.cli import build_parser
 
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     served = build_parser().parse_args(serve)
     ckpt, tokenizer, config = bootstrap._resolve(served)
     _stage("before the engine")
     engine = bootstrap._engine(ckpt, tokenizer, config, served.tuned_config)
     _stage("engine built")
+    for pool, source, n, size in segment_growth(torch.cuda.memory._snapshot(), args.top):
+        print(f"  {size / MiB:9.1f} MiB in {n:3d} segment(s)  {pool:18s} grown by {source}", flush=True)
     ids = torch.randint(0, min(tokenizer.vocab_size, 32000), (args.prompt_tokens,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     req = Request("memory", ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),

@@ -224,3 +224,28 @@ def test_the_memory_report_groups_live_blocks_by_pool_and_source():
         ("default", "linear.py:276:forward <- mlp.py:30:_rows", 50),
     ]
     assert by_source(snapshot, top=1) == [("default", "kv_pool.py:64:__init__", 200)]
+
+
+def test_the_memory_report_says_what_grew_the_graphs_pools():
+    """A CUDA graphs' pool is mostly free blocks between replays: ``bench.memory`` reads the
+    allocator's segment allocations at that pool's addresses, summed by the source that asked."""
+    from bench.memory import segment_growth
+
+    mlp = [{"filename": "/x/ninfer/engine/layers/mlp.py", "line": 30, "name": "_rows"}]
+    deq = [{"filename": "/x/ninfer/engine/layers/linear.py", "line": 90, "name": "dequantize"}]
+    snapshot = {
+        "segments": [{"segment_pool_id": (0, 0), "address": 1000, "total_size": 64},
+                     {"segment_pool_id": (0, 1), "address": 2000, "total_size": 96},
+                     {"segment_pool_id": (0, 1), "address": 3000, "total_size": 32},
+                     {"segment_pool_id": (0, 1), "address": 4000, "total_size": 32}],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": 1000, "size": 64, "frames": mlp},  # the default pool's
+            {"action": "segment_alloc", "addr": 2000, "size": 96, "frames": deq},
+            {"action": "alloc", "addr": 2000, "size": 96, "frames": deq},
+            {"action": "segment_alloc", "addr": 3000, "size": 32, "frames": mlp},
+            {"action": "segment_alloc", "addr": 4000, "size": 32, "frames": mlp},
+            {"action": "segment_alloc", "addr": 5000, "size": 16, "frames": mlp},  # since given back
+        ]],
+    }
+    assert segment_growth(snapshot) == [("graphs (0, 1)", "linear.py:90:dequantize", 1, 96),
+                                        ("graphs (0, 1)", "mlp.py:30:_rows", 2, 64)]
