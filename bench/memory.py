@@ -2,7 +2,8 @@
 arguments, torch's allocated and reserved bytes after each stage (the CUDA graphs' private pools
 apart from the rest), then one prompt of ``--prompt-tokens`` through it; where it runs out of
 memory, the live allocations grouped by the source line that made them, each pool apart; after
-the build, what made the CUDA graphs' pools grow (their segments by the allocation that asked).
+the build, the same, and what made the CUDA graphs' pools grow (their segments by the allocation
+that asked).
 
     python -m bench.memory --prompt-tokens 16384 -- MODEL --max-context 262144 --max-concurrency 1 \\
         --prefill-chunk 4096 --kv-capacity 262144 --gpu-memory-gib 16 ...
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     _stage("before the engine")
     engine = bootstrap._engine(ckpt, tokenizer, config, served.tuned_config)
     _stage("engine built")
-    for pool, source, n, size in segment_growth(torch.cuda.memory._snapshot(), args.top):
+    built = torch.cuda.memory._snapshot()
+    for pool, source, n in by_source(built, args.top):
+        print(f"  {n / MiB:9.1f} MiB  {pool:18s} live, from {source}", flush=True)
+    for pool, source, n, size in segment_growth(built, args.top):
         print(f"  {size / MiB:9.1f} MiB in {n:3d} segment(s)  {pool:18s} grown by {source}", flush=True)
     ids = torch.randint(0, min(tokenizer.vocab_size, 32000), (args.prompt_tokens,),
                         generator=torch.Generator().manual_seed(0)).tolist()
