@@ -215,6 +215,7 @@ class MixedGraphs:
         self.captured: dict[tuple[str, int], _Bucket] = {}
         self.shared: dict = {}  # the cores' static inputs and outputs, shared by every bucket (_Capture)
         top = self.buckets[-1] if self.buckets else 0
+        self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         if self.buckets:
@@ -295,7 +296,10 @@ class MixedGraphs:
     def _capture(self, kind: str, t: int) -> _Bucket:
         shared = self.shared
         cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
+        # one side stream for every bucket: the allocator hands a stream's freed blocks only to
+        # that stream's allocations, so a stream per bucket grew the graphs' pool by each bucket's
+        # intermediates (the 9B's to 1,046 MiB) where the smaller buckets reuse the largest's
+        stream = self.capture_stream
         if cuda:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():

@@ -163,8 +163,8 @@ class CudaGraphVerifier:
         """Capture every bucket's step, in ``pool`` (the decode graphs': no two graphs run at
         once, and each step's logits are sampled before the next replay) or a new one."""
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream(self.device)  # one for every warm-up: a stream's freed blocks serve it alone
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
-            stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles / autotunes kernels outside the capture

@@ -182,9 +182,9 @@ class CudaGraphDecoder:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)  # one for every warm-up: a stream's freed blocks serve it alone
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
             batch = self._batch(b)
-            stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles / autotunes kernels outside the capture
