@@ -42,9 +42,13 @@ def by_source(snapshot: dict, top: int = 20) -> list[tuple[str, str, int]]:
     return [(pool, source, n) for (pool, source), n in sizes.most_common(top)]
 
 
-def _source(frames: list[dict] | None) -> str:
+def _source(frames: list[dict] | None, keep: int = 4) -> str:
+    """The package's own frames of an allocation's stack, innermost first: the ``keep`` innermost
+    and the ``keep`` outermost (what made it, and which stage of the build or step asked)."""
     own = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in frames or [] if OWN in f["filename"]]
-    return " <- ".join(own[:8]) or "(outside the package)"
+    if len(own) > 2 * keep:
+        own = own[:keep] + ["..."] + own[-keep:]
+    return " <- ".join(own) or "(outside the package)"
 
 
 def segment_growth(snapshot: dict, top: int = 20) -> list[tuple[str, str, int, int]]:

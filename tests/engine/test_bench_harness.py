@@ -249,3 +249,7 @@ def test_the_memory_report_says_what_grew_the_graphs_pools():
     }
     assert segment_growth(snapshot) == [("graphs (0, 1)", "linear.py:90:dequantize", 1, 96),
                                         ("graphs (0, 1)", "mlp.py:30:_rows", 2, 64)]
+    deep = [{"filename": f"/x/ninfer/engine/f{i}.py", "line": i, "name": "g"} for i in range(10)]
+    snapshot["device_traces"][0][1]["frames"] = deep  # the build's stage shows past the innermost frames
+    assert segment_growth(snapshot)[0][1] == ("f0.py:0:g <- f1.py:1:g <- f2.py:2:g <- f3.py:3:g <- ... <- "
+                                              "f6.py:6:g <- f7.py:7:g <- f8.py:8:g <- f9.py:9:g")
