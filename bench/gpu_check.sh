@@ -77,10 +77,10 @@ if [ "$parts" = int4 ]; then
     run gemv-int4 "$py" -m bench.gemv_tune --int4 --shape qwen3.5-27b --rows 1,8,20
     run 27b-int4 "$py" -m bench.decode --shape qwen3.5-27b --weights int4 --batches 1,8 --prefill 16384 --steps 16 \
         --no-hf --json "$out/27b-int4.json"
-    # the split GEMV at 128 rows a program (the default's 64 beside it, above): its decode steps
-    run 27b-int4-128 "$py" -m bench.decode --shape qwen3.5-27b --weights int4 --batches 1,8 --prefill "" --steps 16 \
-        --no-hf --set 'int4_split_tiles={"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "PER_SM": 4}' \
-        --json "$out/27b-int4-128.json"
+    # one decode row prepared once before each 4-bit product (launch setting int4_x_pack; the
+    # default beside it, above): the whole step with the extra launch
+    run 27b-int4-xpack "$py" -m bench.decode --shape qwen3.5-27b --weights int4 --batches 1 --prefill "" --steps 16 \
+        --no-hf --set int4_x_pack=True --json "$out/27b-int4-xpack.json"
     run 27b-bf16 "$py" -m bench.decode --shape qwen3.5-27b --batches 1 --prefill 16384 --steps 16 --no-hf \
         --json "$out/27b-bf16.json"
     run 35b-a3b-int4 "$py" -m bench.decode --shape qwen3.5-35b-a3b --weights int4 --batches 1,8 --prefill 16384 \

@@ -112,6 +112,11 @@ class LaunchSettings:
     # a multiprocessor the K split aims at (``PER_SM``; optional: ``num_stages``)
     int4_split_tiles: dict = field(default_factory=lambda: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
                                                             "PER_SM": 4})
+    # one decode row against a 4-bit weight prepared once by a small kernel before the split GEMV
+    # (its dot tiles and chunk sums: ``quant_gemv_triton.x_pack``): the GEMV alone 18% faster on
+    # the 27B's projections (H100, RESULTS 2026-12-07 fifth session); off until the whole step
+    # with the extra launch is measured
+    int4_x_pack: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

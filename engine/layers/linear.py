@@ -262,7 +262,7 @@ class TritonGroupMethod(LinearMethod):
         if x2.shape[0] <= SPLIT_MAX_ROWS and split_takes(self.group, self.bits) \
                 and x.dtype in (torch.bfloat16, torch.float16) and settings.int4_split_gemv:
             out = int4_gemv_split_triton(x2, self.packed, self.scale, self.offset, self.group,
-                                         settings.int4_split_tiles, zero=self.zero)
+                                         settings.int4_split_tiles, zero=self.zero, pack_x=settings.int4_x_pack)
             return out.view(*lead, self.out_features)
         if x2.shape[0] <= GEMV_MAX_ROWS:
             out = int4_gemv_triton(x2, self.packed, self.scale, self.offset, self.group, zero=self.zero)

@@ -233,11 +233,12 @@ def _nibble_floats(b, dtype: tl.constexpr, BASE_BITS: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, M, N, K, STEPS, SPLITS, stride_xm,
-                            stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr, M_PAD: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                            BASE_BITS: tl.constexpr, BASE: tl.constexpr, DOT_FP32: tl.constexpr,
-                            SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr):
+def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr, xe_ptr, xo_ptr, xs_ptr, M, N, K,
+                            STEPS, SPLITS, stride_xm, stride_qn, stride_sn, stride_ym, stride_ps, G: tl.constexpr,
+                            M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            HAS_OFFSET: tl.constexpr, BASE_BITS: tl.constexpr, BASE: tl.constexpr,
+                            DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, ONE_ROW: tl.constexpr,
+                            PACKED_X: tl.constexpr):
     # A few rows (decode, verify) against a 4-bit (or 8-bit) weight on the tensor cores, the K columns split over
     # ``program_id(1)`` (STEPS chunks each, SPLITS splits) so a narrow weight still fills the GPU:
     # each program leaves its partial sums in its own fp32 plane of p, and the last of a row
@@ -248,7 +249,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     # scale (BLOCK_K divides G): sum(x (s q + o)) = s * (dot - BASE sum(x)) + o sum(x). 8-bit
     # values (-128..127, a byte each) are converted as they are, exact in bf16 and fp16 (BASE 0).
     # ONE_ROW: one input row (decode at batch 1): the sums of x from that row alone, not the 16 the
-    # dot pads to.
+    # dot pads to. PACKED_X (with ONE_ROW): that row prepared once by ``_x_pack_kernel``, its even
+    # and odd columns each the first row of a 16-row tile whose other rows are zeros (xe, xo
+    # ``[16, K / 2]``) and its sums a chunk (xs): the loop loads x's tiles as it loads the weight's,
+    # with no rows of zeros staged through shared memory and no sums across threads each chunk.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,7 +267,10 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
     kk = tl.arange(0, BLOCK_K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
         if BITS == 4:
-            if ONE_ROW:  # the one row's chunk loaded once, contiguous; the dot's padding rows zeros, not loads
+            if PACKED_X:
+                xe = tl.load(xe_ptr + m[:, None] * (K // 2) + (k0 // 2 + j)[None, :])
+                xo = tl.load(xo_ptr + m[:, None] * (K // 2) + (k0 // 2 + j)[None, :])
+            elif ONE_ROW:  # the one row's chunk loaded once, contiguous; the dot's padding rows zeros, not loads
                 xv = tl.load(x_ptr + k0 + kk)
                 xe1, xo1 = tl.split(tl.reshape(xv, (BLOCK_K // 2, 2)))
                 xe = tl.where(m[:, None] == 0, xe1[None, :], 0.0).to(xv.dtype)
@@ -279,7 +286,9 @@ def _int4_gemv_split_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, p_ptr, count_ptr,
                     tl.dot(xo.to(tl.float32), tl.trans(hi).to(tl.float32))
             else:
                 r = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
-            if ONE_ROW:  # the sum of the one real row (the other 15 of the dot's are zeros)
+            if PACKED_X:
+                xs = tl.where(m == 0, tl.load(xs_ptr + k0 // BLOCK_K), 0.0)
+            elif ONE_ROW:  # the sum of the one real row (the other 15 of the dot's are zeros)
                 xs = tl.where(m == 0, tl.sum(xv.to(tl.float32), 0), 0.0)
             else:
                 xs = tl.sum(xv.to(tl.float32), 1)
@@ -345,13 +354,15 @@ def _split_plan(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, spl
 
 
 def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                           group: int, tiles: dict | None = None, zero: int = 0) -> torch.Tensor:
+                           group: int, tiles: dict | None = None, zero: int = 0, pack_x: bool = False) -> torch.Tensor:
     """``int4_gemv_triton`` for a few rows (``SPLIT_MAX_ROWS``) of bf16 / fp16 ``x`` against a
     4-bit ``packed`` ``[N, K / 2]`` weight (or an 8-bit ``[N, K]`` one) in groups it takes
     (``split_takes``), on the tensor cores
     with K split over programs (tiles: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, and ``SPLIT``, by
     default ``split_count``); the splits' fp32 partial sums are added by the last program of each
-    row block to finish, in the same launch."""
+    row block to finish, in the same launch. ``pack_x``: one row of x against a 4-bit weight
+    prepared first by ``_x_pack_kernel`` (its dot tiles and chunk sums, in buffers kept per
+    device, dtype and width; where they do not exist yet inside a CUDA-graph capture, x as it is)."""
     m, k = x.shape
     n = packed.shape[0]
     bits_w = 8 if packed.dtype == torch.int8 else 4
@@ -372,15 +383,53 @@ def int4_gemv_split_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
                                                            t.get("PER_SM", SPLIT_PROGRAMS_PER_SM))
     bits, base = _DOT_BASES[x.dtype] if bits_w == 4 else (0, 0.0)
     base += _zero(zero, offset, bits_w)
+    xp = x_pack(x, block_k) if pack_x and m == 1 and bits_w == 4 else None
     _int4_gemv_split_kernel[(blocks, split)](
         x, packed, scale, offset if offset is not None else scale, y, partial, counts if counts is not None else y,
+        *(xp if xp is not None else (x, x, y)),
         m, n, k, steps, split, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0), partial.stride(0),
         G=group, M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=t["BLOCK_N"], BLOCK_K=block_k,
         HAS_OFFSET=offset is not None, BASE_BITS=bits,
         BASE=base, DOT_FP32=INTERPRET and (x.dtype == torch.bfloat16 or bits_w == 8), SPLIT=split > 1, BITS=bits_w,
-        ONE_ROW=m == 1, num_warps=t["num_warps"],
+        ONE_ROW=m == 1, PACKED_X=xp is not None, num_warps=t["num_warps"],
         **({"num_stages": t["num_stages"]} if "num_stages" in t else {}))
     return y
+
+
+@triton.jit
+def _x_pack_kernel(x_ptr, xe_ptr, xo_ptr, xs_ptr, K, CHUNK: tl.constexpr):
+    # one chunk of x's one row a program: its even and odd columns into the first rows of xe and
+    # xo (their other rows stay zeros), its fp32 sum into xs
+    c = tl.program_id(0)
+    j = tl.arange(0, CHUNK // 2)
+    x = tl.load(x_ptr + c * CHUNK + tl.arange(0, CHUNK))
+    even, odd = tl.split(tl.reshape(x, (CHUNK // 2, 2)))
+    tl.store(xe_ptr + c * (CHUNK // 2) + j, even)
+    tl.store(xo_ptr + c * (CHUNK // 2) + j, odd)
+    tl.store(xs_ptr + c, tl.sum(x.to(tl.float32), 0))
+
+
+_X_PACKS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def x_pack(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One row of ``x`` ``[1, K]`` prepared for the split GEMV: ``(xe, xo, xs)``, its even and odd
+    columns as the first rows of ``[16, K / 2]`` tiles of zeros and its fp32 sums a ``chunk`` of
+    columns. The buffers are kept per device, dtype, width and chunk (the zero rows are written
+    once, when they are made) and made outside a CUDA-graph capture only: None inside one until
+    they exist (the caller then passes x as it is)."""
+    k = x.shape[1]
+    key = (x.device, x.dtype, k, chunk)
+    bufs = _X_PACKS.get(key)
+    if bufs is None:
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        bufs = _X_PACKS[key] = (torch.zeros(16, k // 2, dtype=x.dtype, device=x.device),
+                                torch.zeros(16, k // 2, dtype=x.dtype, device=x.device),
+                                torch.zeros(k // chunk, dtype=torch.float32, device=x.device))
+    xe, xo, xs = bufs
+    _x_pack_kernel[(k // chunk,)](x, xe, xo, xs, k, CHUNK=chunk)
+    return bufs
 
 
 def split_takes(group: int, bits: int) -> bool:

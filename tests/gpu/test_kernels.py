@@ -254,6 +254,15 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset):
         check_int4_gemv("cuda", torch.bfloat16, m, n, k, group, with_offset, tiles, 2e-2, kernel="split")
 
 
+@pytest.mark.parametrize("n, k, group", [(5120, 17408, 128), (34816, 5120, 128), (1000, 2048, 32)])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_decode_row_prepared_once_on_the_gpu(n, k, group, with_offset, dtype):
+    """One decode row prepared by ``x_pack`` before the split GEMV (the form ``int4_x_pack`` runs)."""
+    for _ in range(2):
+        check_int4_gemv("cuda", dtype, 1, n, k, group, with_offset, None, 2e-2, kernel="split", pack_x=True)
+
+
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("with_offset", [False, True])
 def test_int4_gemv_split_in_fp16(m, with_offset):

@@ -338,6 +338,26 @@ def test_int4_gemv_split_over_k(m, n, k, group, tiles, with_offset, dtype):
     check_int4_gemv("cpu", dtype, m, n, k, group, with_offset, tiles, 1e-2, kernel="split")
 
 
+@pytest.mark.parametrize("n, k, group, tiles", [
+    (37, 256, 32, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # chunks of 32, sums per chunk
+    (40, 512, 128, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 2, "SPLIT": 2}),  # two chunks a group
+    (16, 384, 128, None),
+])
+@pytest.mark.parametrize("with_offset", [False, True, "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_decode_row_prepared_once_gives_the_split_gemvs_product(n, k, group, tiles, with_offset, dtype):
+    """One decode row prepared before the split GEMV (``x_pack``: its even and odd columns as the
+    first rows of zero tiles, its sums a chunk) gives the product of the row as it is, offsets
+    and a constant zero point included; the buffers are kept, their zero rows never written."""
+    from ninfer.engine.layers import quant_gemv_triton as qg
+
+    check_int4_gemv("cpu", dtype, 1, n, k, group, with_offset, tiles, 1e-2, kernel="split", pack_x=True)
+    chunk = min((tiles or qg.SPLIT_TILES)["BLOCK_K"], group)
+    xe, xo, xs = qg._X_PACKS[(torch.device("cpu"), dtype, k, chunk)]
+    assert xe.shape == xo.shape == (16, k // 2) and xs.shape == (k // chunk,)
+    assert not xe[1:].any() and not xo[1:].any() and xe[0].any()
+
+
 @pytest.mark.parametrize("m, n, k, group, tiles", [
     (1, 37, 640, 640, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT": 3}),  # one scale a row (5 x 128)
     (5, 24, 256, 32, None),
@@ -550,6 +570,13 @@ def test_the_split_gemv_takes_its_tiles_from_the_launch_settings(monkeypatch):
         with launch.using(int4_split_tiles=tiles):
             assert rel_err(method(x).float(), want) < 1e-2
         assert seen[-1] == tiles
+    packs = []
+    real_pack = qg.x_pack
+    monkeypatch.setattr(qg, "x_pack", lambda *a: packs.append(a[1]) or real_pack(*a))
+    with launch.using(int4_x_pack=True):  # one decode row prepared first
+        assert rel_err(method(x[:1]).float(), want[:1]) < 1e-2
+        assert rel_err(method(x).float(), want) < 1e-2  # two rows: as they are
+    assert packs == [128]
     assert qg.split_count(48, 512, 16, 128, torch.device("cpu"), per_sm=4) == 4  # 3 row blocks, 16 programs wanted
     assert qg.split_count(48, 512, 32, 64, torch.device("cpu"), per_sm=1) == 2
 
@@ -616,13 +643,14 @@ def test_the_split_gemv_puts_its_arrival_counters_back():
     assert not qg._COUNTS[torch.device("cpu")].any()
 
 
-@pytest.mark.parametrize("bits, one_row", [(4, False), (8, False), (4, True)], ids=["4bit", "8bit", "4bit-1"])
+@pytest.mark.parametrize("bits, one_row, packed_x", [(4, False, False), (8, False, False), (4, True, False),
+                                                     (4, True, True)], ids=["4bit", "8bit", "4bit-1", "4bit-1-packed"])
 @pytest.mark.parametrize("split", [1, 4], ids=["whole", "split"])
-def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, one_row):
+def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, one_row, packed_x):
     """The split-K GEMV's GPU variant (bf16 operands straight into its two ``tl.dot``, the nibbles
     made floats by inline PTX; one split writing the output, or several leaving fp32 partial
-    planes that the last to arrive adds; the sums of x from all 16 rows or from the one real
-    row) lowers for sm_90."""
+    planes that the last to arrive adds; the sums of x from all 16 rows, from the one real row,
+    or from the row prepared by ``x_pack``) lowers for sm_90."""
     from ninfer.engine.layers import quant_gemv_triton as qg
     from support import kernel_lowering
 
@@ -632,9 +660,9 @@ def test_the_split_gemv_lowers_as_a_gpu_runs_it(split, bits, one_row):
     scale = torch.ones(48, 8, dtype=torch.float16)
     launch = kernel_lowering.launch_of(
         qg._int4_gemv_split_kernel,
-        (x, packed, scale, scale, y, partial, counts, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1],
+        (x, packed, scale, scale, y, partial, counts, x, x, partial, 1, 48, 1024, 8 // split, split, 1024, packed.shape[1],
          scale.shape[1], 48, 48),
         {"G": 128, "M_PAD": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_OFFSET": bits == 4,
          "BASE_BITS": 0x4300 if bits == 4 else 0, "BASE": 128.0 if bits == 4 else 0.0, "DOT_FP32": False,
-         "SPLIT": split > 1, "BITS": bits, "ONE_ROW": one_row})
+         "SPLIT": split > 1, "BITS": bits, "ONE_ROW": one_row, "PACKED_X": packed_x})
     assert not kernel_lowering.lower_recorded([launch])

@@ -411,11 +411,12 @@ def check_prefill_attention(monkeypatch, model, tok, device: str, page_size: int
 
 
 def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, group: int, with_offset: bool | str,
-                    tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4) -> None:
+                    tiles: dict | None, tol: float, kernel: str = "gemv", bits: int = 4, pack_x: bool = False) -> None:
     """The GEMV over ``bits``-bit groups (``kernel`` "gemv", "dot": its form on the tensor
     cores, "split": that form for a few rows with K split over programs) against ``x @ W.T``, or
     the dequantizing kernel ("dequantize") against ``W``, with ``W``
-    the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read).
+    the group-quantized weight dequantized (in fp32, from the fp16 scales the kernels read);
+    ``pack_x`` (split): one row of x prepared first (``quant_gemv_triton.x_pack``).
     ``with_offset`` "symmetric": 4-bit offsets of ``-8 * scale``, which the kernels take as the
     constant zero point 8 (no offsets read)."""
     from ninfer.engine.layers.linear import GroupQuantized
@@ -445,7 +446,7 @@ def check_int4_gemv(device: str, dtype: torch.dtype, m: int, n: int, k: int, gro
         return
     x = torch.randn(m, k + 6)[:, 3:3 + k].to(device=device, dtype=dtype)  # rows strided
     gemv = {"dot": int4_gemv_dot_triton, "split": int4_gemv_split_triton}.get(kernel, int4_gemv_triton)
-    out = gemv(x, held, s16, o16, group, tiles, zero=zero)
+    out = gemv(x, held, s16, o16, group, tiles, zero=zero, **({"pack_x": True} if pack_x else {}))
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.float(), x.float() @ ref_w.to(device).T) < tol
 

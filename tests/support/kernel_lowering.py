@@ -168,6 +168,8 @@ def _lower_all(launches: list[tuple]) -> list[tuple[int, str, str]]:
             kernel = importlib.import_module(module)
             for part in name.split("."):
                 kernel = getattr(kernel, part)
+            while not hasattr(kernel.fn, "__code__"):  # under triton.autotune / triton.heuristics
+                kernel = kernel.fn
             file = f"{kernel.fn.__code__.co_filename}:{kernel.fn.__code__.co_firstlineno}"
             context = ir.context()
             ir.load_dialects(context)
