@@ -12,6 +12,8 @@ results are its own (``tests/interp``: equal to its forward; ``tests/gpu``: on C
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
@@ -72,14 +74,10 @@ class ChunkKernels:
         self.out = FixedLaunch(chunk_fwd_kernel_o)
 
 
-_KERNELS: list[ChunkKernels] = []
-
-
+@functools.cache
 def chunk_kernels() -> ChunkKernels:
     """The process's :class:`ChunkKernels` (made at the first call: fla-core imports then)."""
-    if not _KERNELS:
-        _KERNELS.append(ChunkKernels())
-    return _KERNELS[0]
+    return ChunkKernels()
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
