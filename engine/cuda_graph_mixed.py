@@ -257,7 +257,7 @@ class MixedGraphs:
         no piece reads (the cores, which read it, are cut out)."""
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         prompt = PromptRows(cu_seqlens=none, cu_seqlens_long=none, cu_seqlens_host=none.cpu(), max_seqlen=t,
-                            slots_host=[], chunks=none) if kind == PROMPT else None
+                            slots_host=[], chunks=none, chunk_offsets=none) if kind == PROMPT else None
         meta = StepMeta(kv=None, states=None, attn_ordinal={}, gdn_ordinal={}, block_tables=none, context_lens=none,
                         write_index=none, slot_ids=torch.zeros(t, dtype=torch.long, device=self.device),
                         num_decode=0 if kind == PROMPT else t, prompt=prompt)

@@ -80,12 +80,6 @@ def chunk_kernels() -> ChunkKernels:
     return ChunkKernels()
 
 
-def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """Each row's first chunk in the flat (row, chunk) table, and their total: ``[N + 1]``."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.nn.functional.pad(torch.div(lens + chunk - 1, chunk, rounding_mode="floor"), (1, 0)).cumsum(-1)
-
-
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                      chunks: torch.Tensor, offsets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +87,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     (l2-normalised), ``v`` ``[1, T, HV, V]``, ``a`` ``[1, T, HV]`` the raw decay projection
     (``g = -exp(A_log) * softplus(a + dt_bias)`` inside the first kernel), ``beta`` ``[1, T, HV]``
     fp32, ``state`` ``[N, HV, K, V]`` fp32 each row's state before it, ``cu_seqlens`` ``[N + 1]``
-    int64, ``chunks`` the ``[NT, 2]`` (row, chunk) table, ``offsets`` :func:`chunk_offsets`.
+    int64, ``chunks`` the ``[NT, 2]`` (row, chunk) table, ``offsets`` each row's first chunk in it (``models.base.chunk_offsets``).
     Returns ``(o [1, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32)``: fla-core's
     ``chunk_gated_delta_rule_fwd`` with ``use_gate_in_kernel``."""
     run = chunk_kernels()

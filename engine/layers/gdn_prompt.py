@@ -56,21 +56,21 @@ def prompt_conv(groups: tuple[torch.Tensor, ...], weight: torch.Tensor, conv_poo
 
 def prompt_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor, chunks: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor, chunks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """fla-core's chunked forward over the flat run (CUDA): q, k (l2-normalised), v as
     :func:`prompt_conv` gives them, ``a`` / ``b`` ``[T, Hv]`` the raw gate projections
     (``g = -exp(A_log) * softplus(a + dt_bias)`` inside fla's first kernel, ``beta = sigmoid(b)``),
     each row's state read from its slot of ``rec_pool`` ``[slots, Hv, K, V]`` and its final state
-    written back; ``offsets`` each row's first chunk in ``chunks`` (``PromptRows.chunk_offsets``;
-    None: computed here). Its kernels launch from ``gdn_chunk_fla``'s thin call. Returns
+    written back; ``offsets`` each row's first chunk in ``chunks`` (``PromptRows.chunk_offsets``).
+    Its kernels launch from ``gdn_chunk_fla``'s thin call. Returns
     ``[T, Hv, V]`` in v's dtype."""
-    from .gdn_chunk_fla import chunk_delta_rule, chunk_offsets
+    from .gdn_chunk_fla import chunk_delta_rule
 
     beta = torch.sigmoid(b.float())
     state = rec_pool.index_select(0, slots)
     o, final = chunk_delta_rule(
         q[None], k[None], v[None], a.contiguous()[None], beta[None], A_log, dt_bias,
         state if state.dtype == torch.float32 else state.float(), cu_seqlens, chunks,
-        chunk_offsets(cu_seqlens) if offsets is None else offsets, k.shape[-1] ** -0.5)
+        offsets, k.shape[-1] ** -0.5)
     rec_pool.index_copy_(0, slots, final.to(rec_pool.dtype))
     return o[0].to(v.dtype)

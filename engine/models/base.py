@@ -39,7 +39,7 @@ class PromptRows:
     max_seqlen: int  # the longest row's new tokens
     slots_host: list[int]  # each row's state slot, on the host (the torch path loops over rows)
     chunks: torch.Tensor  # [chunks, 2] int64 on the device: (row, chunk) of GDN_CHUNK-token chunks
-    chunk_offsets: torch.Tensor | None = None  # [P + 1] int64 on the device: each row's first chunk in ``chunks``
+    chunk_offsets: torch.Tensor  # [P + 1] int64 on the device: each row's first chunk in ``chunks``
 
 
 GDN_CHUNK = 64  # the Gated DeltaNet prompt kernels' chunk: fla-core's, so one table serves its kernels and ours

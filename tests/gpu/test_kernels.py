@@ -345,8 +345,8 @@ def test_the_chunked_rules_thin_call_equals_fla_cores_forward():
     ``chunk_gated_delta_rule_fwd``'s outputs and final states bit for bit, both times."""
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    from ninfer.engine.layers.gdn_chunk_fla import chunk_delta_rule, chunk_kernels, chunk_offsets
-    from ninfer.engine.models.base import chunk_pairs
+    from ninfer.engine.layers.gdn_chunk_fla import chunk_delta_rule, chunk_kernels
+    from ninfer.engine.models.base import chunk_offsets, chunk_pairs
 
     torch.manual_seed(5)
     bounds = [0, 300, 301, 303, 1100]
@@ -359,11 +359,12 @@ def test_the_chunked_rules_thin_call_equals_fla_cores_forward():
     state = torch.randn(4, hv, d, d, device="cuda") * 0.05
     cu = torch.tensor(bounds, device="cuda")
     chunks = torch.tensor(chunk_pairs(bounds), device="cuda").view(-1, 2)
+    offsets = torch.tensor(chunk_offsets(bounds), device="cuda")
     _, want_o, _, want_final, _, _ = chunk_gated_delta_rule_fwd(
         q=q, k=k, v=v, g=a, beta=beta, scale=d ** -0.5, initial_state=state, output_final_state=True,
         cu_seqlens=cu, chunk_indices=chunks, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
     for _ in range(2):
-        o, final = chunk_delta_rule(q, k, v, a, beta, A_log, dt_bias, state, cu, chunks, chunk_offsets(cu), d ** -0.5)
+        o, final = chunk_delta_rule(q, k, v, a, beta, A_log, dt_bias, state, cu, chunks, offsets, d ** -0.5)
         assert torch.equal(o, want_o) and torch.equal(final, want_final)
     fixed = chunk_kernels().states.fixed
     assert len(fixed) == 1 and {"BV", "num_warps", "USE_INITIAL_STATE", "IS_VARLEN"} <= set(next(iter(fixed.values())))
