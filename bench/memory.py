@@ -91,6 +91,11 @@ def _stage(tag: str) -> None:
         print(f"    {pool}: reserved {reserved / MiB:.0f} MiB, allocated {allocated / MiB:.0f} MiB", flush=True)
 
 
+def _live(snapshot: dict, top: int) -> None:
+    for pool, source, n in by_source(snapshot, top):
+        print(f"  {n / MiB:9.1f} MiB  {pool:18s} live, from {source}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, serve = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -116,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = bootstrap._engine(ckpt, tokenizer, config, served.tuned_config)
     _stage("engine built")
     built = torch.cuda.memory._snapshot()
-    for pool, source, n in by_source(built, args.top):
-        print(f"  {n / MiB:9.1f} MiB  {pool:18s} live, from {source}", flush=True)
+    _live(built, args.top)
     for pool, source, n, size in segment_growth(built, args.top):
         print(f"  {size / MiB:9.1f} MiB in {n:3d} segment(s)  {pool:18s} grown by {source}", flush=True)
     ids = torch.randint(0, min(tokenizer.vocab_size, 32000), (args.prompt_tokens,),
@@ -135,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as e:
         print(f"out of memory at step {steps + 1}: {str(e).splitlines()[0][:240]}", flush=True)
         _stage("out of memory")
-        for pool, source, n in by_source(torch.cuda.memory._snapshot(), args.top):
-            print(f"  {n / MiB:9.1f} MiB  {pool:18s} {source}")
+        _live(torch.cuda.memory._snapshot(), args.top)
         return 1
     _stage(f"the prompt and {len(req.output_ids)} tokens out in {steps} steps, {time.perf_counter() - start:.1f} s")
     return 0
