@@ -2,12 +2,15 @@
 
     python -m bench.profile --shape qwen3.5-27b [--batch 1] [--context 4096] [--prefill 16384] [--weights int4]
     python -m bench.profile --shape qwen3.5-0.8b --batch 8 --mixed 16 --mixed-tokens 128 [--set NAME=VALUE]
+    python -m bench.profile --shape qwen3.5-9b --batch 8 --context 512 --verify 4
 
 Builds the same random-weight engine as ``bench.decode``, then profiles a few eager decode steps
 (the kernels a CUDA graph replays) and one prefill, printing the top kernels by GPU time with
 their call counts and the share of the total. ``--mixed N``: one step that carries N new prompts
 of ``--mixed-tokens`` each beside the decoding batch (after the same mix once to warm up), its
-host time against its GPU time and the host's top operators.
+host time against its GPU time and the host's top operators. ``--verify K``: the same eager
+steps with every row verifying K - 1 drafts (K tokens a row), each kernel beside its decode
+figure, largest growth first.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import logging
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .decode import _engine, _requests, _sync, start_on_gpu
+from .decode import RejectedDrafter, _engine, _requests, _sync, start_on_gpu, use_drafter
 from .shapes import shape_config
 
 
@@ -39,6 +42,27 @@ def kernel_table(prof, steps: int, top: int) -> str:
     for e in events[:top]:
         rows.append(f"| {_self_us(e) / steps:.1f} | {100 * _self_us(e) / total:.1f}% | "
                     f"{e.count / steps:.0f} | {e.key[:110]} |")
+    return "\n".join(rows)
+
+
+def _kernel_us(prof, steps: int) -> dict[str, tuple[float, float]]:
+    """Per kernel name: GPU us and calls per run."""
+    kind = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+    return {e.key: (_self_us(e) / steps, e.count / steps) for e in prof.key_averages()
+            if e.device_type == kind and _self_us(e) > 0}
+
+
+def growth_table(decode: dict[str, tuple[float, float]], verify: dict[str, tuple[float, float]], top: int) -> str:
+    """Each kernel's us per step in the decode and the verify step, the largest growth first."""
+    names = sorted(set(decode) | set(verify), key=lambda k: verify.get(k, (0, 0))[0] - decode.get(k, (0, 0))[0],
+                   reverse=True)
+    total_d, total_v = (sum(us for us, _ in t.values()) for t in (decode, verify))
+    rows = [f"GPU per step: decode {total_d / 1e3:.3f} ms, verify {total_v / 1e3:.3f} ms "
+            f"({total_v / max(total_d, 1e-9):.2f}x)",
+            "| decode us (calls) | verify us (calls) | growth us | kernel |", "|---|---|---|---|"]
+    for k in names[:top]:
+        (du, dc), (vu, vc) = decode.get(k, (0.0, 0.0)), verify.get(k, (0.0, 0.0))
+        rows.append(f"| {du:.1f} ({dc:.0f}) | {vu:.1f} ({vc:.0f}) | {vu - du:+.1f} | {k[:100]} |")
     return "\n".join(rows)
 
 
@@ -146,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true", help="also profile the host side of graph-replayed steps")
     p.add_argument("--mixed", type=int, default=0, help="profile one step of this many new prompts beside the batch")
     p.add_argument("--mixed-tokens", type=int, default=128, help="tokens of each --mixed prompt")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="also profile eager steps whose rows each verify K - 1 drafts, beside the decode step")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a kernel launch setting first, e.g. mixed_graph_tokens=512")
     p.add_argument("--weights", choices=["bf16", "int8", "int4"], default="bf16",
@@ -161,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = _engine(cfg, args.batch + args.mixed, args.context, 64, max(args.prefill, 16, mixed), device,
                      prefill_chunk=max(args.prefill, 2048, mixed + args.batch),
-                     bits={"int4": 4, "int8": 8}.get(args.weights))
-    reqs = _requests(args.batch, args.context, 256, cfg.vocab_size, "d", engine.config.max_context)
+                     bits={"int4": 4, "int8": 8}.get(args.weights), verify=args.verify)
+    reqs = _requests(args.batch, args.context, 256 * max(args.verify, 1), cfg.vocab_size, "d",
+                     engine.config.max_context)
     for r in reqs:
         engine.add_request(r)
     while any(not r.output_ids for r in reqs):
@@ -175,9 +202,23 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.steps):
             engine.step()
         _sync()
-    engine.runner.graphs = graphs
     print(f"## {args.shape} ({args.weights}) decode batch {args.batch}, context {args.context} (eager step)")
     print(kernel_table(prof, args.steps, args.top), flush=True)
+    if args.verify > 1:
+        verify_graphs, engine.runner.verify_graphs = engine.runner.verify_graphs, None
+        use_drafter(engine, RejectedDrafter(args.verify - 1))
+        for _ in range(2):
+            engine.step()
+        _sync()
+        with profile(activities=_activities()) as vprof:
+            for _ in range(args.steps):
+                engine.step()
+            _sync()
+        use_drafter(engine, None)
+        engine.runner.verify_graphs = verify_graphs
+        print(f"\n## the same batch verifying: rows of {args.verify} tokens (eager step)")
+        print(growth_table(_kernel_us(prof, args.steps), _kernel_us(vprof, args.steps), args.top), flush=True)
+    engine.runner.graphs = graphs
     if args.host:
         host_profile(engine, 50, args.top)
     if args.mixed:

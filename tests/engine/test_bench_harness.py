@@ -2,6 +2,8 @@
 time is never spent finding a bug in the bench itself."""
 from __future__ import annotations
 
+import re
+
 from bench.decode import bench_ours, bytes_per_step, table
 from ninfer.engine.config import ModelConfig
 
@@ -253,3 +255,22 @@ def test_the_memory_report_says_what_grew_the_graphs_pools():
     snapshot["device_traces"][0][1]["frames"] = deep  # the build's stage shows past the innermost frames
     assert segment_growth(snapshot)[0][1] == ("f0.py:0:g <- f1.py:1:g <- f2.py:2:g <- f3.py:3:g <- ... <- "
                                               "f6.py:6:g <- f7.py:7:g <- f8.py:8:g <- f9.py:9:g")
+
+
+def test_the_profile_puts_each_kernels_verify_time_beside_its_decode_time(monkeypatch, capsys):
+    """``bench.profile --verify 4``: the eager decode step's kernels, then the same batch's
+    verify step (rows of 4 tokens) with each operator's time beside its decode figure: the
+    rows' kernels run more tokens, so the verify step's total is the larger."""
+    import bench.profile as prof
+
+    monkeypatch.setattr(prof, "shape_config", lambda name: ModelConfig.from_hf_dict(TINY))
+    assert prof.main(["--shape", "tiny", "--batch", "2", "--context", "24", "--steps", "2", "--verify", "4",
+                      "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    verify = out[out.index("rows of 4 tokens"):]
+    d_ms, v_ms = (float(x) for x in re.search(r"decode ([\d.]+) ms, verify ([\d.]+) ms", verify).groups())
+    assert 0 < d_ms < v_ms
+    # the attention and Gated DeltaNet operators are listed with a time in both steps
+    lines = [ln for ln in verify.splitlines() if ln.startswith("| ") and "(" in ln and "calls" not in ln]
+    assert len(lines) >= 10 and all(re.match(r"\| [\d.]+ \(\d+\) \| [\d.]+ \(\d+\) \| [+-][\d.]+ \|", ln)
+                                    for ln in lines)
