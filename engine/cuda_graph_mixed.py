@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -50,7 +51,7 @@ import torch
 from . import launch
 from .graph_buckets import BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, piece_tokens
 from .memory import free_memory_bytes
-from .models.base import CausalLM, ForwardBatch, PromptRows, StepMeta
+from .models.base import GDN_CHUNK, CausalLM, ForwardBatch, PromptRows, StepMeta
 
 log = logging.getLogger("ninfer.engine")
 
@@ -87,11 +88,14 @@ class _Capture:
     and the core gets views of the copies with the strides and offsets of the originals, so its
     kernels see the layout they would eagerly."""
 
-    def __init__(self, shared: dict, cut: Callable[[], None] | None) -> None:
+    def __init__(self, shared: dict, cut: Callable[[], None] | None, rows: "_RowsView | None" = None) -> None:
         # (kind of core, what) -> a shared static tensor: ("out") the output, (j) the j-th
         # storage under the core's inputs, as bytes; sized for the largest bucket (the probe,
         # which runs before they exist, makes its own)
         self.shared, self.cut, self.cores = shared, cut, []
+        # a bucket of kind ONE: the rows its Gated DeltaNet cores read (they run inside the
+        # piece, through the layers' own backends, ``real``)
+        self.rows, self.real = rows, {}
 
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """The head (``shape[0]`` tokens) of the shared tensor ``key`` (of that shape per token and
@@ -140,6 +144,9 @@ class _Capture:
 
     def linear_attention(self, layer, groups, z, a, b, meta) -> torch.Tensor:
         t = z.shape[0]
+        if self.rows is not None:  # inside the piece: no cut, nothing copied
+            out = torch.empty((t, layer.value_dim), dtype=z.dtype, device=z.device)
+            return self.real[id(layer)].one_row(layer, tuple(groups), z, a, b, meta, self.rows, out)
         out = self._buffer((False, "out"), (t, layer.value_dim), z.dtype, z.device)
         groups, z, a, b = self._inputs(False, (tuple(groups), z, a, b), t)
         self._record(_Core(layer, (groups, z, a, b), out, attention=False))
@@ -193,6 +200,52 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 PROMPT, ROWS = "prompt", "rows"  # the kinds of step: with prompt rows, or of decode and verify rows only
+ONE = "one"  # one prompt row after decode rows, the Gated DeltaNet cores inside the pieces
+
+
+@dataclass
+class _RowsView:
+    """What a bucket of kind ONE reads its rows from (views of ``OneRow``'s tensors)."""
+
+    decode_slots: torch.Tensor  # [D] int64: the decode rows' slots, -1 past the real ones
+    cu_seqlens: torch.Tensor  # [2] int64: the prompt row's bounds in the flat run
+    prompt_slot: torch.Tensor  # [1] int64
+    chunks: torch.Tensor  # [C, 2] int64: (0, c) for every chunk the bucket's tokens can hold
+    chunk_offsets: torch.Tensor  # [2] int64: the row's first chunk (0)
+
+
+class OneRow:
+    """The device tensors the buckets of kind ONE read a step's rows from, written before each
+    replay from the step's description (no host value): the decode rows' slots (-1 past them:
+    the fused decode kernel skips those tokens), the prompt row's bounds and slot. Its chunk
+    table is the same for every step, ``(0, c)`` for each chunk a bucket's tokens can hold: a
+    chunk past the row's end is one whose programs load and store nothing (fla-core's kernels
+    and the Triton conv bound every access by the row's length)."""
+
+    def __init__(self, max_tokens: int, max_decode: int, pad_slot: int, device: torch.device) -> None:
+        self.max_decode = max_decode
+        self.decode_slots = torch.full((max_decode,), -1, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.zeros(2, dtype=torch.long, device=device)
+        self.prompt_slot = torch.full((1,), pad_slot, dtype=torch.long, device=device)
+        n = -(-max_tokens // GDN_CHUNK)
+        self.chunks = torch.stack([torch.zeros(n, dtype=torch.long), torch.arange(n)], dim=1).to(device)
+        self.chunk_offsets = torch.zeros(2, dtype=torch.long, device=device)
+
+    def decode_rows(self, t: int) -> int:
+        """The decode rows a bucket of ``t`` tokens runs its decode kernel over."""
+        return min(t, self.max_decode)
+
+    def view(self, t: int) -> _RowsView:
+        return _RowsView(self.decode_slots[: self.decode_rows(t)], self.cu_seqlens, self.prompt_slot,
+                         self.chunks[: -(-t // GDN_CHUNK)], self.chunk_offsets)
+
+    def load(self, meta: StepMeta) -> None:
+        """This step's rows (``meta``: decode rows, then one prompt row), on the device."""
+        d = meta.num_decode
+        self.decode_slots.fill_(-1)
+        self.decode_slots[:d].copy_(meta.slot_ids[:d])
+        torch.add(meta.prompt.cu_seqlens_long, d, out=self.cu_seqlens)
+        self.prompt_slot.copy_(meta.slot_ids[d: d + 1])
 
 
 class MixedGraphs:
@@ -213,6 +266,8 @@ class MixedGraphs:
         self.graph = graph or torch.cuda.CUDAGraph
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[str, int], _Bucket] = {}
+        self.one: OneRow | None = None  # the rows of kind ONE's buckets (``capture_one_row``)
+        self._one_meta: tuple = ()  # their state pools and ordinals
         self.shared: dict = {}  # the cores' static inputs and outputs, shared by every bucket (_Capture)
         top = self.buckets[-1] if self.buckets else 0
         self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -257,15 +312,18 @@ class MixedGraphs:
         no piece reads (the cores, which read it, are cut out)."""
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         prompt = PromptRows(cu_seqlens=none, cu_seqlens_long=none, cu_seqlens_host=none.cpu(), max_seqlen=t,
-                            slots_host=[], chunks=none, chunk_offsets=none) if kind == PROMPT else None
-        meta = StepMeta(kv=None, states=None, attn_ordinal={}, gdn_ordinal={}, block_tables=none, context_lens=none,
-                        write_index=none, slot_ids=torch.zeros(t, dtype=torch.long, device=self.device),
-                        num_decode=0 if kind == PROMPT else t, prompt=prompt)
+                            slots_host=[], chunks=none, chunk_offsets=none) if kind != ROWS else None
+        states, ordinal = self._one_meta if kind == ONE else (None, {})  # (ONE: its cores read the pools)
+        meta = StepMeta(kv=None, states=states, attn_ordinal={}, gdn_ordinal=ordinal, block_tables=none,
+                        context_lens=none, write_index=none,
+                        slot_ids=torch.zeros(t, dtype=torch.long, device=self.device),
+                        num_decode=t if kind == ROWS else 0, prompt=prompt)
         return ForwardBatch(positions=self.positions[:t], seq_lens=[t], caches=[], step=meta)
 
     def _forward(self, kind: str, t: int, capture: _Capture) -> torch.Tensor:
         mixers = list(_mixers(self.model))
         saved = [(m, m.backend) for m, _ in mixers]
+        capture.real = {id(m): backend for m, backend in saved}
         try:
             for m, attention in mixers:
                 m.backend = _Stand(capture.attention if attention else capture.linear_attention)
@@ -293,8 +351,43 @@ class MixedGraphs:
             log.info("captured CUDA graphs in pieces for steps of %s tokens",
                      ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
+    @torch.inference_mode()
+    def capture_one_row(self, caches, max_decode: int, max_tokens: int) -> None:
+        """Capture the buckets of kind ONE up to ``max_tokens`` (at most the largest bucket of
+        kind PROMPT): steps of one prompt row after at most ``max_decode`` decode rows, whose Gated
+        DeltaNet cores run inside the pieces over ``caches``' state pools (made by now: these are
+        captured after the caches, beside the decode graphs), reading their rows from ``OneRow``.
+        Needs a model whose Gated DeltaNet layers all have a backend that can (``one_row_in_graph``)
+        and key and value heads of one size; a bucket that cannot be captured leaves the kind out."""
+        from .layers.gated_delta_net import GatedDeltaNet
+
+        gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        tops = [t for k, t in self.captured if k == PROMPT and t <= max_tokens]
+        if not (gdn and tops and caches.states is not None) or \
+                not all(m.backend.one_row_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
+            return
+        _, pad_slot = caches.reserve_padding()
+        self.one = OneRow(max(tops), max_decode, pad_slot, self.device)
+        self._one_meta = (caches.states, caches.gdn_ordinal)
+        for t in sorted(tops, reverse=True):
+            try:
+                self.captured[ONE, t] = self._capture(ONE, t)
+            except Exception as exc:
+                log.warning("steps of one prompt row keep their Gated DeltaNet cores eager: the %d-token bucket "
+                            "could not be captured (%s)", t, exc)
+                for key in [key for key in self.captured if key[0] == ONE]:
+                    del self.captured[key]
+                self.one = None
+                return
+        log.info("captured CUDA graphs in pieces with the Gated DeltaNet cores inside for steps of one prompt row "
+                 "of %s tokens", sorted(t for k, t in self.captured if k == ONE))
+
     def _capture(self, kind: str, t: int) -> _Bucket:
         shared = self.shared
+        rows = self.one.view(t) if kind == ONE else None
+        if rows is not None:  # warm-up and capture over one row of the bucket's tokens on the padding slot: fla-core's
+            # autotuner, on its first launch, times work of the bucket's size
+            rows.cu_seqlens.copy_(torch.tensor([0, t]))
         cuda = self.device.type == "cuda"
         # one side stream for every bucket: the allocator hands a stream's freed blocks only to
         # that stream's allocations, so a stream per bucket grew the graphs' pool by each bucket's
@@ -304,7 +397,7 @@ class MixedGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):  # warm-up: the pieces' kernels compiled and tuned outside the capture
-                self._forward(kind, t, _Capture(shared, None))
+                self._forward(kind, t, _Capture(shared, None, rows))
             pieces = [self.graph()]
 
             def cut() -> None:
@@ -312,7 +405,7 @@ class MixedGraphs:
                 pieces.append(self.graph())
                 pieces[-1].capture_begin(pool=self.pool)
 
-            capture = _Capture(shared, cut)
+            capture = _Capture(shared, cut, rows)
             pieces[0].capture_begin(pool=self.pool)
             try:
                 hidden = self._forward(kind, t, capture)
@@ -330,17 +423,32 @@ class MixedGraphs:
     def kind(batch: ForwardBatch) -> str:
         return ROWS if batch.step.prompt is None else PROMPT
 
+    def _key(self, batch: ForwardBatch, n: int) -> tuple[str, int] | None:
+        """The bucket a step of ``n`` tokens runs through: of kind ONE where it is one prompt row
+        after no more decode rows than that bucket holds (and verifies no draft), else of its kind."""
+        meta = batch.step
+        if self.one is not None and meta.prompt is not None and meta.verify is None and \
+                len(meta.prompt.slots_host) == 1:
+            t = self.bucket(ONE, n)
+            if t is not None and meta.num_decode <= self.one.decode_rows(t):
+                return ONE, t
+        kind = self.kind(batch)
+        t = self.bucket(kind, n)
+        return None if t is None else (kind, t)
+
     def fits(self, batch: ForwardBatch, n: int) -> bool:
         """Whether a step of ``n`` tokens described by ``batch`` runs through the pieces."""
         return (batch.step is not None and batch.mrope is None and batch.embeds is None
-                and self.bucket(self.kind(batch), n) is not None)
+                and self._key(batch, n) is not None)
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The step's final hidden states ``[n, hidden]``: a view of the bucket's static output,
         valid until the next step."""
         n = input_ids.shape[0]
-        kind = self.kind(batch)
-        b = self.captured[kind, self.bucket(kind, n)]
+        key = self._key(batch, n)
+        b = self.captured[key]
+        if key[0] == ONE:
+            self.one.load(batch.step)
         self.input_ids[:n].copy_(input_ids)
         for piece, core in zip(b.pieces, b.cores):
             piece.replay()

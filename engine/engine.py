@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
-from . import thinking
+from . import launch, thinking
 from .cache.manager import CacheManager
 from .cuda_graph_mixed import capture_pieces
 from .engine_config import EngineConfig
@@ -82,6 +82,8 @@ class LLMEngine:
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
+        if graphs and pieces is not None and pieces.captured:  # their padding slot reserved by the decode graphs
+            pieces.capture_one_row(self.caches, config.max_concurrency, launch.current().one_row_graph_tokens)
         self.runner.mixed_graphs = pieces if pieces is not None and pieces.captured else None
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap

@@ -127,6 +127,7 @@ class TorchLinearAttention:
     """The Gated DeltaNet conv and recurrence in torch: the reference of the other backends."""
 
     name = "torch"
+    one_row_in_graph = False  # no ``one_row`` (a step's prompt rows read their bounds on the host)
 
     def step(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +213,37 @@ class TorchLinearAttention:
 
 class TritonLinearAttention(TorchLinearAttention):
     name = "triton"
+    one_row_in_graph = True  # ``one_row``: a step's core that a CUDA graph can hold
+
+    def one_row(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                meta, rows, out: torch.Tensor) -> torch.Tensor:
+        """A step of one prompt row after its decode rows, over every token of a captured bucket,
+        reading the rows from device tensors alone (``cuda_graph_mixed.OneRow``: the prompt row's
+        bounds in the flat run, its slot, the decode rows' slots with -1 past the real ones), so a
+        CUDA graph replays it for any such step: the Triton conv and fla-core's chunked rule over
+        the prompt row (tokens outside it are read by no program and written by none), the output
+        norm over every token into ``out`` ``[T, value_dim]``, then the fused decode step over the
+        first ``rows.decode_slots`` tokens, which writes the real decode rows' outputs over those
+        and skips the rest."""
+        from .gdn_decode_triton import gdn_decode_step_triton
+        from .gdn_prompt import prompt_delta_rule
+        from .gdn_prompt_triton import prompt_conv_triton
+
+        gi = meta.gdn_ordinal[layer.layer_idx]
+        conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
+        t = z.shape[0]
+        q, k, v = prompt_conv_triton(groups, layer.conv1d.weight, conv_pool, rows.prompt_slot, rows.cu_seqlens,
+                                     rows.chunks, layer.num_k_heads, layer.head_k_dim)
+        o = prompt_delta_rule(q, k, v, a, b, layer.A_log, layer.dt_bias, rec_pool, rows.prompt_slot, rows.cu_seqlens,
+                              rows.chunks, rows.chunk_offsets)
+        heads = (t, layer.num_v_heads, layer.head_v_dim)
+        layer.norm(o.to(z.dtype), z.view(heads), out=out.view(heads))
+        n = rows.decode_slots.shape[0]
+        qkv = groups[0][:n] if len(groups) == 1 else torch.cat([x[:n] for x in groups], dim=-1)
+        gdn_decode_step_triton(qkv, z[:n], a[:n], b[:n], conv_pool, layer.conv1d.weight, layer.A_log, layer.dt_bias,
+                               rec_pool, rows.decode_slots, meta.states.step_counts, layer.norm.weight, layer.norm.eps,
+                               layer.num_k_heads, out=out[:n])
+        return out
 
     def decode(self, layer, qkv, z, a, b, slots, meta) -> torch.Tensor:
         return layer._decode_fused(qkv, z, a, b, slots, meta)
@@ -271,6 +303,7 @@ class InterpretedLinearAttention(TritonLinearAttention):
     in torch (fla-core's kernels need CUDA)."""
 
     name = "interpreter"
+    one_row_in_graph = False
     prompt = TorchLinearAttention.prompt
     tokens = TorchLinearAttention.tokens
 

@@ -78,6 +78,8 @@ def _gdn_step_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, conv_ptr, cw_ptr, alog_ptr, d
     kk = tl.arange(0, K)
     vv = vb * BV + tl.arange(0, BV)
     slot = tl.load(slot_ptr + bi).to(tl.int64)
+    if slot < 0:  # no row here (a captured step's padding): nothing read or written
+        return
     x_row = qkv_ptr + bi * stride_qkv
     window = conv_ptr + slot * (W - 1) * C
     q_cols, k_cols, v_cols = h * K + kk, H * K + h * K + kk, 2 * H * K + hv * V + vv
@@ -137,12 +139,15 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
                            conv_pool: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                            dt_bias: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
                            counts: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           num_k_heads: int, block_v: int | None = None) -> torch.Tensor:
+                           num_k_heads: int, block_v: int | None = None, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """``qkv`` ``[B, C]`` pre-conv rows ([q | k | v]), ``z`` ``[B, HV*V]``, ``a``/``b`` ``[B, HV]``
     (views of one projection's output are fine); ``conv_pool`` ``[slots, W-1, C]`` and ``state_pool``
     ``[slots, HV, K, V]`` (fp32, bf16 or fp16) updated in place; ``counts`` int64 ``[slots, >= num_k_heads]``, whose
     launches must all use the same ``block_v`` (value columns per program, ``BLOCK_V`` when None,
-    at most V). Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``)."""
+    at most V). Returns the normed, gated output ``[B, HV*V]`` (the input of ``out_proj``), written
+    into ``out`` (contiguous) where given. A row whose slot id is negative is skipped: its output
+    row is left as it was and no slot is touched (a captured step's rows past its real ones)."""
     bsz, c = qkv.shape
     _, hv, dk, dv = state_pool.shape
     width = conv_weight.shape[-1]
@@ -154,7 +159,10 @@ def gdn_decode_step_triton(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, 
     if counts.dtype != torch.int64 or counts.shape[1] < num_k_heads or counts.stride(1) != 1:
         raise ValueError(f"gdn step: counters {tuple(counts.shape)} {counts.dtype}")
     block_v = min(block_v or BLOCK_V, dv)
-    out = torch.empty((bsz, hv * dv), dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        out = torch.empty((bsz, hv * dv), dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (bsz, hv * dv) or not out.is_contiguous() or out.dtype != qkv.dtype:
+        raise ValueError(f"gdn step: out {tuple(out.shape)} {out.dtype} for {bsz} rows of {hv * dv}")
     if bsz:
         _gdn_step_kernel[(bsz, hv, dv // block_v)](
             qkv, z, a, b, conv_pool, conv_weight.reshape(c, width).contiguous(), A_log, dt_bias, state_pool,

@@ -179,3 +179,30 @@ def test_the_plan_counts_what_the_probe_measures(parts):
         mixed = MixedGraphs(model, torch.device("cpu"), 16, graph=RecordedGraph)
     elt = next(model.parameters()).element_size()
     assert kept_per_token(model.config, elt) == (mixed.per_token, mixed.shared_per_token)
+
+
+def test_one_prompt_rows_bucket_reads_each_steps_rows_from_the_device():
+    """``OneRow`` (kind ONE, CUDA): before each replay the step's decode rows' slots (-1 past
+    them, where the fused decode kernel does nothing), the prompt row's bounds in the flat run
+    (after the decode rows) and its slot are written into the tensors the graph reads; the
+    chunk table is the same for every step, each bucket holding its tokens' chunks."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.cuda_graph_mixed import OneRow
+
+    rows = OneRow(max_tokens=200, max_decode=4, pad_slot=9, device=torch.device("cpu"))
+    view = rows.view(64)
+    assert view.decode_slots.shape == (4,) and view.chunks.tolist() == [[0, 0]]
+    assert rows.view(2).decode_slots.shape == (2,) and rows.view(200).chunks[:, 1].tolist() == [0, 1, 2, 3]
+    assert rows.prompt_slot.tolist() == [9]  # the padding slot until a step's rows come
+
+    def step(slots: list[int], decode: int, length: int):
+        prompt = SimpleNamespace(cu_seqlens_long=torch.tensor([0, length]))
+        return SimpleNamespace(num_decode=decode, slot_ids=torch.tensor(slots), prompt=prompt)
+
+    rows.load(step([5, 3, 7], 2, 40))
+    assert view.decode_slots.tolist() == [5, 3, -1, -1]
+    assert rows.cu_seqlens.tolist() == [2, 42] and rows.prompt_slot.tolist() == [7]
+    rows.load(step([6], 0, 17))
+    assert view.decode_slots.tolist() == [-1, -1, -1, -1]
+    assert rows.cu_seqlens.tolist() == [0, 17] and rows.prompt_slot.tolist() == [6]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_decode_skips_unused_rows, check_gdn_prompt_conv, check_gdn_verify,
                                   check_gdn_short_prompt_rows, check_moe_block, check_moe_norm_route,
                                   check_moe_quantized, check_int4_gemv, check_norm_gemv, rel_err)
 
@@ -162,6 +162,10 @@ def test_causal_conv1d_fla_vs_torch(t, with_state):
 def test_fused_gdn_decode_vs_torch_path(k_heads, v_heads, block_v):
     check_gdn_decode("cuda", torch.bfloat16, hidden=256, k_heads=k_heads, v_heads=v_heads, head_dim=128,
                      block_v=block_v)
+
+
+def test_fused_gdn_decode_skips_rows_without_a_slot():
+    check_gdn_decode_skips_unused_rows("cuda", torch.bfloat16, hidden=256, k_heads=4, v_heads=8, head_dim=128)
 
 
 @pytest.mark.parametrize("k_heads, v_heads", [(4, 8), (16, 32)])

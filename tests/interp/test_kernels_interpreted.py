@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from support.decode_paths import BUILDERS, load_parts, reference, run
-from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_prompt_conv, check_gdn_verify,
+from support.kernel_cases import (check_attention_decode, check_gdn_decode, check_gdn_decode_skips_unused_rows, check_gdn_prompt_conv, check_gdn_verify,
                                   check_gdn_short_prompt_rows, check_moe_block, check_moe_norm_route,
                                   check_moe_quantized,
                                   check_int4_gemv, check_norm_gemv, check_prefill_attention, rel_err)
@@ -137,6 +137,10 @@ def test_attention_decode(qwen, monkeypatch):
 @pytest.mark.parametrize("v_heads, block_v", [(4, None), (4, 4), (6, 8)])  # one or several programs per head
 def test_gdn_decode(v_heads, block_v):
     check_gdn_decode("cpu", torch.float32, hidden=64, k_heads=2, v_heads=v_heads, head_dim=16, block_v=block_v)
+
+
+def test_gdn_decode_skips_rows_without_a_slot():
+    check_gdn_decode_skips_unused_rows("cpu", torch.float32, hidden=64, k_heads=2, v_heads=4, head_dim=16)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -136,6 +136,43 @@ def check_gdn_decode(device: str, dtype: torch.dtype, hidden: int, k_heads: int,
     assert (counts[slot_ids, :k_heads] == 2 * (v_heads // k_heads) * (head_dim // block_v)).all()
 
 
+def check_gdn_decode_skips_unused_rows(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int,
+                                       head_dim: int) -> None:
+    """Rows whose slot id is -1 (a captured step's rows past its real ones): the kernel leaves
+    their output rows as they were in ``out`` and touches no slot or counter; the real rows come
+    out as in a launch over them alone."""
+    from ninfer.engine.layers import gdn_decode_triton
+    from ninfer.engine.layers.gated_delta_net import GatedDeltaNet
+
+    layer = GatedDeltaNet(0, hidden, num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head_dim,
+                          head_v_dim=head_dim).to(device)
+    _randomize(layer, 0.5)
+    slots = 6
+    conv = torch.randn(slots, 3, layer.conv_dim, device=device, dtype=dtype)
+    rec = torch.randn(slots, v_heads, head_dim, head_dim, device=device) * 0.1
+    counts = torch.zeros(slots, v_heads, dtype=torch.int64, device=device)
+    qkv = torch.randn(5, layer.conv_dim, device=device, dtype=dtype)
+    z = torch.randn(5, layer.value_dim, device=device, dtype=dtype)
+    a, b = (torch.randn(5, v_heads, device=device, dtype=dtype) for _ in range(2))
+
+    def run(slot_ids, rows, out=None):
+        pools = (conv.clone(), rec.clone(), counts.clone())
+        o = gdn_decode_triton.gdn_decode_step_triton(
+            qkv[:rows], z[:rows], a[:rows], b[:rows], pools[0], layer.conv1d.weight, layer.A_log, layer.dt_bias,
+            pools[1], torch.tensor(slot_ids, device=device), pools[2], layer.norm.weight, layer.norm.eps, k_heads,
+            out=out)
+        return o, pools
+
+    alone, (conv_a, rec_a, counts_a) = run([4, 1], 2)
+    sentinel = torch.full((5, layer.value_dim), 7.0, device=device, dtype=dtype)
+    padded, (conv_p, rec_p, counts_p) = run([4, 1, -1, -1, -1], 5, out=sentinel)
+    assert padded.data_ptr() == sentinel.data_ptr()
+    torch.testing.assert_close(padded[:2], alone)
+    assert (padded[2:] == 7.0).all()
+    assert torch.equal(conv_p, conv_a) and torch.equal(rec_p, rec_a) and torch.equal(counts_p, counts_a)
+    assert not torch.equal(rec_a[[4, 1]], rec[[4, 1]]) and torch.equal(rec_a[[0, 2, 3, 5]], rec[[0, 2, 3, 5]])
+
+
 def check_gdn_verify(device: str, dtype: torch.dtype, hidden: int, k_heads: int, v_heads: int, head_dim: int,
                      widths: tuple[int, ...] = (3, 1, 5, 2), block_v: int | None = None,
                      state_dtype: torch.dtype = torch.float32) -> None:
