@@ -93,7 +93,7 @@ class _Capture:
         # storage under the core's inputs, as bytes; sized for the largest bucket (the probe,
         # which runs before they exist, makes its own)
         self.shared, self.cut, self.cores = shared, cut, []
-        # a bucket of kind ONE: the rows its Gated DeltaNet cores read (they run inside the
+        # a bucket of kind ONE or FEW: the rows its Gated DeltaNet cores read (they run inside the
         # piece, through the layers' own backends, ``real``)
         self.rows, self.real = rows, {}
 
@@ -146,7 +146,7 @@ class _Capture:
         t = z.shape[0]
         if self.rows is not None:  # inside the piece: no cut, nothing copied
             out = torch.empty((t, layer.value_dim), dtype=z.dtype, device=z.device)
-            return self.real[id(layer)].one_row(layer, tuple(groups), z, a, b, meta, self.rows, out)
+            return self.real[id(layer)].graph_rows(layer, tuple(groups), z, a, b, meta, self.rows, out)
         out = self._buffer((False, "out"), (t, layer.value_dim), z.dtype, z.device)
         groups, z, a, b = self._inputs(False, (tuple(groups), z, a, b), t)
         self._record(_Core(layer, (groups, z, a, b), out, attention=False))
@@ -200,52 +200,70 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 PROMPT, ROWS = "prompt", "rows"  # the kinds of step: with prompt rows, or of decode and verify rows only
-ONE = "one"  # one prompt row after decode rows, the Gated DeltaNet cores inside the pieces
+ONE, FEW = "one", "few"  # a prompt row, or a few, after decode rows: the Gated DeltaNet cores inside the pieces
 
 
 @dataclass
 class _RowsView:
-    """What a bucket of kind ONE reads its rows from (views of ``OneRow``'s tensors)."""
+    """What a bucket of kind ONE or FEW reads its rows from (views of ``GraphRows``' tensors)."""
 
     decode_slots: torch.Tensor  # [D] int64: the decode rows' slots, -1 past the real ones
-    cu_seqlens: torch.Tensor  # [2] int64: the prompt row's bounds in the flat run
-    prompt_slot: torch.Tensor  # [1] int64
-    chunks: torch.Tensor  # [C, 2] int64: (0, c) for every chunk the bucket's tokens can hold
-    chunk_offsets: torch.Tensor  # [2] int64: the row's first chunk (0)
+    cu_seqlens: torch.Tensor  # [P + 1] int64: the prompt rows' bounds in the flat run
+    prompt_slots: torch.Tensor  # [P] int64
+    chunks: torch.Tensor  # [C, 2] int64: the (row, chunk) table
+    chunk_offsets: torch.Tensor  # [P + 1] int64: each row's first chunk in it
 
 
-class OneRow:
-    """The device tensors the buckets of kind ONE read a step's rows from, written before each
-    replay from the step's description (no host value): the decode rows' slots (-1 past them:
-    the fused decode kernel skips those tokens), the prompt row's bounds and slot. Its chunk
-    table is the same for every step, ``(0, c)`` for each chunk a bucket's tokens can hold: a
-    chunk past the row's end is one whose programs load and store nothing (fla-core's kernels
-    and the Triton conv bound every access by the row's length)."""
+class GraphRows:
+    """The device tensors the buckets of kind ONE (``max_rows`` 1) or FEW read a step's rows
+    from, written before each replay from the step's description (no device value read on the
+    host): the decode rows' slots (-1 past them: the fused decode kernel skips those tokens), the
+    prompt rows' bounds, slots and (row, chunk) table. Past a step's own prompt rows come rows of
+    no tokens on the padding slot; past its chunks, chunks beyond row 0's end: fla-core's kernels
+    and the Triton conv bound every access by the row's length, so those programs load and store
+    nothing. With one row the table is the same for every step, ``(0, c)`` for each chunk."""
 
-    def __init__(self, max_tokens: int, max_decode: int, pad_slot: int, device: torch.device) -> None:
-        self.max_decode = max_decode
+    def __init__(self, max_tokens: int, max_decode: int, max_rows: int, pad_slot: int, device: torch.device) -> None:
+        self.max_decode, self.max_rows, self.pad_slot = max_decode, max_rows, pad_slot
         self.decode_slots = torch.full((max_decode,), -1, dtype=torch.long, device=device)
-        self.cu_seqlens = torch.zeros(2, dtype=torch.long, device=device)
-        self.prompt_slot = torch.full((1,), pad_slot, dtype=torch.long, device=device)
-        n = -(-max_tokens // GDN_CHUNK)
-        self.chunks = torch.stack([torch.zeros(n, dtype=torch.long), torch.arange(n)], dim=1).to(device)
-        self.chunk_offsets = torch.zeros(2, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+        self.prompt_slots = torch.full((max_rows,), pad_slot, dtype=torch.long, device=device)
+        n = self._chunks(max_tokens)
+        beyond = -(-max_tokens // GDN_CHUNK)  # a chunk past the end of any row of the bucket
+        table = [(0, c) for c in range(n)] if max_rows == 1 else [(0, beyond)] * n
+        self.spare = torch.tensor(table, dtype=torch.long, device=device)
+        self.chunks = self.spare.clone()
+        self.chunk_offsets = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+
+    def _chunks(self, t: int) -> int:
+        """Chunks of at most ``max_rows`` rows in ``t`` tokens."""
+        return -(-t // GDN_CHUNK) + (self.max_rows > 1) * self.max_rows
 
     def decode_rows(self, t: int) -> int:
         """The decode rows a bucket of ``t`` tokens runs its decode kernel over."""
         return min(t, self.max_decode)
 
     def view(self, t: int) -> _RowsView:
-        return _RowsView(self.decode_slots[: self.decode_rows(t)], self.cu_seqlens, self.prompt_slot,
-                         self.chunks[: -(-t // GDN_CHUNK)], self.chunk_offsets)
+        return _RowsView(self.decode_slots[: self.decode_rows(t)], self.cu_seqlens, self.prompt_slots,
+                         self.chunks[: self._chunks(t)], self.chunk_offsets)
 
     def load(self, meta: StepMeta) -> None:
-        """This step's rows (``meta``: decode rows, then one prompt row), on the device."""
-        d = meta.num_decode
+        """This step's rows (``meta``: decode rows, then at most ``max_rows`` prompt rows) on the device."""
+        d, prompt = meta.num_decode, meta.prompt
+        rows = len(prompt.slots_host)
         self.decode_slots.fill_(-1)
         self.decode_slots[:d].copy_(meta.slot_ids[:d])
-        torch.add(meta.prompt.cu_seqlens_long, d, out=self.cu_seqlens)
-        self.prompt_slot.copy_(meta.slot_ids[d: d + 1])
+        torch.add(prompt.cu_seqlens_long, d, out=self.cu_seqlens[: rows + 1])
+        self.prompt_slots[:rows].copy_(meta.slot_ids[d: d + rows])
+        if self.max_rows == 1:
+            return
+        self.cu_seqlens[rows + 1:].fill_(d + int(prompt.cu_seqlens_host[-1]))
+        self.prompt_slots[rows:].fill_(self.pad_slot)
+        nt = prompt.chunks.shape[0]
+        self.chunks[:nt].copy_(prompt.chunks)
+        self.chunks[nt:].copy_(self.spare[nt:])
+        self.chunk_offsets[: rows + 1].copy_(prompt.chunk_offsets)
+        self.chunk_offsets[rows + 1:].fill_(nt)
 
 
 class MixedGraphs:
@@ -266,8 +284,8 @@ class MixedGraphs:
         self.graph = graph or torch.cuda.CUDAGraph
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[str, int], _Bucket] = {}
-        self.one: OneRow | None = None  # the rows of kind ONE's buckets (``capture_one_row``)
-        self._one_meta: tuple = ()  # their state pools and ordinals
+        self.rows: dict[str, GraphRows] = {}  # the rows of kinds ONE and FEW's buckets (``capture_rows``)
+        self._rows_meta: tuple = ()  # their state pools and ordinals
         self.shared: dict = {}  # the cores' static inputs and outputs, shared by every bucket (_Capture)
         top = self.buckets[-1] if self.buckets else 0
         self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -313,7 +331,7 @@ class MixedGraphs:
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         prompt = PromptRows(cu_seqlens=none, cu_seqlens_long=none, cu_seqlens_host=none.cpu(), max_seqlen=t,
                             slots_host=[], chunks=none, chunk_offsets=none) if kind != ROWS else None
-        states, ordinal = self._one_meta if kind == ONE else (None, {})  # (ONE: its cores read the pools)
+        states, ordinal = self._rows_meta if kind in self.rows else (None, {})  # (ONE, FEW: their cores read the pools)
         meta = StepMeta(kv=None, states=states, attn_ordinal={}, gdn_ordinal=ordinal, block_tables=none,
                         context_lens=none, write_index=none,
                         slot_ids=torch.zeros(t, dtype=torch.long, device=self.device),
@@ -352,42 +370,52 @@ class MixedGraphs:
                      ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
     @torch.inference_mode()
-    def capture_one_row(self, caches, max_decode: int, max_tokens: int) -> None:
-        """Capture the buckets of kind ONE up to ``max_tokens`` (at most the largest bucket of
-        kind PROMPT): steps of one prompt row after at most ``max_decode`` decode rows, whose Gated
-        DeltaNet cores run inside the pieces over ``caches``' state pools (made by now: these are
-        captured after the caches, beside the decode graphs), reading their rows from ``OneRow``.
-        Needs a model whose Gated DeltaNet layers all have a backend that can (``one_row_in_graph``)
-        and key and value heads of one size; a bucket that cannot be captured leaves the kind out."""
+    def capture_rows(self, caches, max_decode: int, max_tokens: int, max_rows: int) -> None:
+        """Capture the buckets of kinds ONE and FEW (up to ``max_rows`` prompt rows) up to
+        ``max_tokens`` (at most the largest bucket of kind PROMPT): steps of prompt rows after at
+        most ``max_decode`` decode rows, whose Gated DeltaNet cores run inside the pieces over
+        ``caches``' state pools (made by now: these are captured after the caches, beside the
+        decode graphs), reading their rows from ``GraphRows``. Needs Gated DeltaNet layers whose
+        backend can (``rows_in_graph``), key and value heads of one size; a bucket that cannot
+        be captured leaves its kind out."""
         from .layers.gated_delta_net import GatedDeltaNet
 
         gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         tops = [t for k, t in self.captured if k == PROMPT and t <= max_tokens]
         if not (gdn and tops and caches.states is not None) or \
-                not all(m.backend.one_row_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
+                not all(m.backend.rows_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
             return
         _, pad_slot = caches.reserve_padding()
-        self.one = OneRow(max(tops), max_decode, pad_slot, self.device)
-        self._one_meta = (caches.states, caches.gdn_ordinal)
-        for t in sorted(tops, reverse=True):
-            try:
-                self.captured[ONE, t] = self._capture(ONE, t)
-            except Exception as exc:
-                log.warning("steps of one prompt row keep their Gated DeltaNet cores eager: the %d-token bucket "
-                            "could not be captured (%s)", t, exc)
-                for key in [key for key in self.captured if key[0] == ONE]:
-                    del self.captured[key]
-                self.one = None
-                return
-        log.info("captured CUDA graphs in pieces with the Gated DeltaNet cores inside for steps of one prompt row "
-                 "of %s tokens", sorted(t for k, t in self.captured if k == ONE))
+        self._rows_meta = (caches.states, caches.gdn_ordinal)
+        for kind, rows in ((ONE, 1), (FEW, max_rows)):
+            if rows < (1 if kind == ONE else 2):
+                continue
+            self.rows[kind] = GraphRows(max(tops), max_decode, rows, pad_slot, self.device)
+            for t in sorted(tops, reverse=True):
+                try:
+                    self.captured[kind, t] = self._capture(kind, t)
+                except Exception as exc:
+                    log.warning("steps of %s prompt rows keep their Gated DeltaNet cores eager: the %d-token bucket "
+                                "could not be captured (%s)", "one" if kind == ONE else "a few", t, exc)
+                    for key in [key for key in self.captured if key[0] == kind]:
+                        del self.captured[key]
+                    del self.rows[kind]
+                    break
+        if self.rows:
+            log.info("captured CUDA graphs in pieces with the Gated DeltaNet cores inside for steps of %s",
+                     ", ".join(f"{'one prompt row' if k == ONE else f'up to {r.max_rows} prompt rows'}: "
+                               f"{sorted(t for kk, t in self.captured if kk == k)} tokens"
+                               for k, r in self.rows.items()))
 
     def _capture(self, kind: str, t: int) -> _Bucket:
         shared = self.shared
-        rows = self.one.view(t) if kind == ONE else None
+        rows = self.rows[kind].view(t) if kind in self.rows else None
         if rows is not None:  # warm-up and capture over one row of the bucket's tokens on the padding slot: fla-core's
             # autotuner, on its first launch, times work of the bucket's size
-            rows.cu_seqlens.copy_(torch.tensor([0, t]))
+            rows.cu_seqlens.copy_(torch.tensor([0] + [t] * (rows.cu_seqlens.shape[0] - 1)))
+            rows.chunks[:, 0].zero_()
+            rows.chunks[:, 1].copy_(torch.arange(rows.chunks.shape[0]))
+            rows.chunk_offsets.copy_(torch.tensor([0] + [rows.chunks.shape[0]] * (rows.chunk_offsets.shape[0] - 1)))
         cuda = self.device.type == "cuda"
         # one side stream for every bucket: the allocator hands a stream's freed blocks only to
         # that stream's allocations, so a stream per bucket grew the graphs' pool by each bucket's
@@ -424,14 +452,18 @@ class MixedGraphs:
         return ROWS if batch.step.prompt is None else PROMPT
 
     def _key(self, batch: ForwardBatch, n: int) -> tuple[str, int] | None:
-        """The bucket a step of ``n`` tokens runs through: of kind ONE where it is one prompt row
-        after no more decode rows than that bucket holds (and verifies no draft), else of its kind."""
+        """The bucket a step of ``n`` tokens runs through: of kind ONE (FEW) where it is one prompt
+        row (a few) after no more decode rows than that bucket holds, verifying no draft; else of
+        its kind."""
         meta = batch.step
-        if self.one is not None and meta.prompt is not None and meta.verify is None and \
-                len(meta.prompt.slots_host) == 1:
-            t = self.bucket(ONE, n)
-            if t is not None and meta.num_decode <= self.one.decode_rows(t):
-                return ONE, t
+        if self.rows and meta.prompt is not None and meta.verify is None:
+            p = len(meta.prompt.slots_host)
+            kind = ONE if p == 1 else FEW
+            rows = self.rows.get(kind)
+            if rows is not None and p <= rows.max_rows:
+                t = self.bucket(kind, n)
+                if t is not None and meta.num_decode <= rows.decode_rows(t):
+                    return kind, t
         kind = self.kind(batch)
         t = self.bucket(kind, n)
         return None if t is None else (kind, t)
@@ -447,8 +479,8 @@ class MixedGraphs:
         n = input_ids.shape[0]
         key = self._key(batch, n)
         b = self.captured[key]
-        if key[0] == ONE:
-            self.one.load(batch.step)
+        if key[0] in self.rows:
+            self.rows[key[0]].load(batch.step)
         self.input_ids[:n].copy_(input_ids)
         for piece, core in zip(b.pieces, b.cores):
             piece.replay()

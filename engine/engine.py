@@ -83,7 +83,8 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
         if graphs and pieces is not None and pieces.captured:  # their padding slot reserved by the decode graphs
-            pieces.capture_one_row(self.caches, config.max_concurrency, launch.current().one_row_graph_tokens)
+            settings = launch.current()
+            pieces.capture_rows(self.caches, config.max_concurrency, settings.gdn_graph_tokens, settings.gdn_graph_rows)
         self.runner.mixed_graphs = pieces if pieces is not None and pieces.captured else None
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap

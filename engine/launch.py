@@ -105,10 +105,11 @@ class LaunchSettings:
     # token mixers' cores eager between them (``cuda_graph_mixed.py``; 0: every such step eager;
     # on an H200 the 9B's 512-token prompt 9,779 -> 20,368 tok/s)
     mixed_graph_tokens: int = 2048
-    # steps of one prompt row beside decode rows, of up to this many tokens, with the Gated
-    # DeltaNet cores inside the pieces (``cuda_graph_mixed.ONE``: only the attention cores eager
-    # between them; 0: those cores eager too)
-    one_row_graph_tokens: int = 0
+    # steps of up to ``gdn_graph_rows`` prompt rows beside decode rows, of up to this many tokens,
+    # with the Gated DeltaNet cores inside the pieces (``cuda_graph_mixed`` kinds ONE and FEW:
+    # only the attention cores eager between them; 0: those cores eager too)
+    gdn_graph_tokens: int = 0
+    gdn_graph_rows: int = 16
     # decode and verify rows (up to 64) of a 4-bit or 8-bit weight through the split-K GEMV on the tensor
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
     int4_split_gemv: bool = True

@@ -127,7 +127,7 @@ class TorchLinearAttention:
     """The Gated DeltaNet conv and recurrence in torch: the reference of the other backends."""
 
     name = "torch"
-    one_row_in_graph = False  # no ``one_row`` (a step's prompt rows read their bounds on the host)
+    rows_in_graph = False  # no ``graph_rows`` (a step's prompt rows read their bounds on the host)
 
     def step(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,18 +213,19 @@ class TorchLinearAttention:
 
 class TritonLinearAttention(TorchLinearAttention):
     name = "triton"
-    one_row_in_graph = True  # ``one_row``: a step's core that a CUDA graph can hold
+    rows_in_graph = True  # ``graph_rows``: a step's core that a CUDA graph can hold
 
-    def one_row(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                meta, rows, out: torch.Tensor) -> torch.Tensor:
-        """A step of one prompt row after its decode rows, over every token of a captured bucket,
-        reading the rows from device tensors alone (``cuda_graph_mixed.OneRow``: the prompt row's
-        bounds in the flat run, its slot, the decode rows' slots with -1 past the real ones), so a
-        CUDA graph replays it for any such step: the Triton conv and fla-core's chunked rule over
-        the prompt row (tokens outside it are read by no program and written by none), the output
-        norm over every token into ``out`` ``[T, value_dim]``, then the fused decode step over the
-        first ``rows.decode_slots`` tokens, which writes the real decode rows' outputs over those
-        and skips the rest."""
+    def graph_rows(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   meta, rows, out: torch.Tensor) -> torch.Tensor:
+        """A step of prompt rows after its decode rows over every token of a captured bucket,
+        reading the rows from device tensors alone (``cuda_graph_mixed.GraphRows``: the prompt
+        rows' bounds in the flat run, their slots and chunk table, rows of no tokens on the
+        padding slot past them; the decode rows' slots, -1 past the real ones), so a CUDA graph
+        replays it for any such step: the Triton conv and fla-core's chunked rule over the prompt
+        rows (tokens outside them are read by no program and written by none), the output norm
+        over every token into ``out`` ``[T, value_dim]``, then the fused decode step over the first
+        ``rows.decode_slots`` tokens, which writes the real decode rows' outputs over those and
+        skips the rest."""
         from .gdn_decode_triton import gdn_decode_step_triton
         from .gdn_prompt import prompt_delta_rule
         from .gdn_prompt_triton import prompt_conv_triton
@@ -232,9 +233,9 @@ class TritonLinearAttention(TorchLinearAttention):
         gi = meta.gdn_ordinal[layer.layer_idx]
         conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
         t = z.shape[0]
-        q, k, v = prompt_conv_triton(groups, layer.conv1d.weight, conv_pool, rows.prompt_slot, rows.cu_seqlens,
+        q, k, v = prompt_conv_triton(groups, layer.conv1d.weight, conv_pool, rows.prompt_slots, rows.cu_seqlens,
                                      rows.chunks, layer.num_k_heads, layer.head_k_dim)
-        o = prompt_delta_rule(q, k, v, a, b, layer.A_log, layer.dt_bias, rec_pool, rows.prompt_slot, rows.cu_seqlens,
+        o = prompt_delta_rule(q, k, v, a, b, layer.A_log, layer.dt_bias, rec_pool, rows.prompt_slots, rows.cu_seqlens,
                               rows.chunks, rows.chunk_offsets)
         heads = (t, layer.num_v_heads, layer.head_v_dim)
         layer.norm(o.to(z.dtype), z.view(heads), out=out.view(heads))
@@ -303,7 +304,7 @@ class InterpretedLinearAttention(TritonLinearAttention):
     in torch (fla-core's kernels need CUDA)."""
 
     name = "interpreter"
-    one_row_in_graph = False
+    rows_in_graph = False
     prompt = TorchLinearAttention.prompt
     tokens = TorchLinearAttention.tokens
 

@@ -181,28 +181,48 @@ def test_the_plan_counts_what_the_probe_measures(parts):
     assert kept_per_token(model.config, elt) == (mixed.per_token, mixed.shared_per_token)
 
 
-def test_one_prompt_rows_bucket_reads_each_steps_rows_from_the_device():
-    """``OneRow`` (kind ONE, CUDA): before each replay the step's decode rows' slots (-1 past
-    them, where the fused decode kernel does nothing), the prompt row's bounds in the flat run
-    (after the decode rows) and its slot are written into the tensors the graph reads; the
-    chunk table is the same for every step, each bucket holding its tokens' chunks."""
+def test_graph_rows_hold_each_steps_rows_on_the_device():
+    """``GraphRows`` (kinds ONE and FEW, CUDA): before each replay the step's decode rows' slots
+    (-1 past them, where the fused decode kernel does nothing), the prompt rows' bounds in the
+    flat run (after the decode rows), slots and chunk table are written into the tensors the
+    graph reads. With one row the table is the same for every step; with several, rows of no
+    tokens on the padding slot follow the step's own, and chunks past row 0's end its chunks."""
     from types import SimpleNamespace
 
-    from ninfer.engine.cuda_graph_mixed import OneRow
+    from ninfer.engine.cuda_graph_mixed import GraphRows
+    from ninfer.engine.models.base import chunk_offsets, chunk_pairs
 
-    rows = OneRow(max_tokens=200, max_decode=4, pad_slot=9, device=torch.device("cpu"))
-    view = rows.view(64)
-    assert view.decode_slots.shape == (4,) and view.chunks.tolist() == [[0, 0]]
-    assert rows.view(2).decode_slots.shape == (2,) and rows.view(200).chunks[:, 1].tolist() == [0, 1, 2, 3]
-    assert rows.prompt_slot.tolist() == [9]  # the padding slot until a step's rows come
-
-    def step(slots: list[int], decode: int, length: int):
-        prompt = SimpleNamespace(cu_seqlens_long=torch.tensor([0, length]))
+    def step(slots: list[int], decode: int, lengths: list[int]):
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        prompt = SimpleNamespace(cu_seqlens_long=torch.tensor(cu), cu_seqlens_host=torch.tensor(cu),
+                                 slots_host=slots[decode:], chunks=torch.tensor(chunk_pairs(cu)).view(-1, 2),
+                                 chunk_offsets=torch.tensor(chunk_offsets(cu)))
         return SimpleNamespace(num_decode=decode, slot_ids=torch.tensor(slots), prompt=prompt)
 
-    rows.load(step([5, 3, 7], 2, 40))
+    one = GraphRows(max_tokens=200, max_decode=4, max_rows=1, pad_slot=9, device=torch.device("cpu"))
+    view = one.view(64)
+    assert view.decode_slots.shape == (4,) and view.chunks.tolist() == [[0, 0]]
+    assert one.view(2).decode_slots.shape == (2,) and one.view(200).chunks[:, 1].tolist() == [0, 1, 2, 3]
+    assert one.prompt_slots.tolist() == [9]  # the padding slot until a step's rows come
+    one.load(step([5, 3, 7], 2, [40]))
     assert view.decode_slots.tolist() == [5, 3, -1, -1]
-    assert rows.cu_seqlens.tolist() == [2, 42] and rows.prompt_slot.tolist() == [7]
-    rows.load(step([6], 0, 17))
+    assert one.cu_seqlens.tolist() == [2, 42] and one.prompt_slots.tolist() == [7]
+    one.load(step([6], 0, [17]))
     assert view.decode_slots.tolist() == [-1, -1, -1, -1]
-    assert rows.cu_seqlens.tolist() == [0, 17] and rows.prompt_slot.tolist() == [6]
+    assert one.cu_seqlens.tolist() == [0, 17] and one.prompt_slots.tolist() == [6]
+    assert one.chunks[:, 1].tolist() == [0, 1, 2, 3]
+
+    few = GraphRows(max_tokens=256, max_decode=4, max_rows=4, pad_slot=9, device=torch.device("cpu"))
+    view = few.view(256)
+    assert view.chunks.shape == (4 + 4, 2) and view.cu_seqlens.shape == (5,)
+    few.load(step([5, 3, 7, 8], 1, [100, 30, 2]))
+    assert view.decode_slots.tolist() == [5, -1, -1, -1]
+    assert few.cu_seqlens.tolist() == [1, 101, 131, 133, 133] and few.prompt_slots.tolist() == [3, 7, 8, 9]
+    # rows 0 (two chunks), 1 and 2, then chunks past row 0's end (256 tokens: chunk 4 on)
+    assert view.chunks.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0], [0, 4], [0, 4], [0, 4], [0, 4]]
+    assert few.chunk_offsets.tolist() == [0, 2, 3, 4, 4]
+    few.load(step([6, 2], 0, [10, 5]))
+    assert few.cu_seqlens.tolist() == [0, 10, 15, 15, 15] and few.prompt_slots.tolist() == [6, 2, 9, 9]
+    assert view.chunks.tolist()[:3] == [[0, 0], [1, 0], [0, 4]] and few.chunk_offsets.tolist() == [0, 1, 2, 2, 2]

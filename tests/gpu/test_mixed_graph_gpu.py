@@ -50,37 +50,37 @@ def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, o
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "ahead"])
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
-def test_steps_of_one_prompt_row_with_the_gdn_cores_inside_the_pieces_give_the_eager_tokens(
-        name, overlap, tmp_path_factory, monkeypatch, set_launch):
-    """``one_row_graph_tokens``: a step of one prompt row after decode rows replays pieces that
-    hold its Gated DeltaNet cores too (the rows read from ``OneRow`` on the device, the decode
-    kernel skipping the tokens past the real decode rows, fla-core's chunks past the row's end
-    doing nothing): the tokens of the same steps run eagerly through the chunked rule. Steps of
-    several prompt rows take the pieces with the cores eager beside them."""
+def test_steps_with_the_gdn_cores_inside_the_pieces_give_the_eager_tokens(name, overlap, tmp_path_factory,
+                                                                          monkeypatch, set_launch):
+    """``gdn_graph_tokens``: a step of one prompt row (kind ONE) or a few (FEW) after decode rows
+    replays pieces that hold its Gated DeltaNet cores too (the rows read from ``GraphRows`` on
+    the device, the decode kernel skipping the tokens past the real decode rows, fla-core's
+    chunks past a row's end and rows of no tokens doing nothing): the tokens of the same steps
+    run eagerly through the chunked rule."""
     from ninfer.engine import cuda_graph_mixed
 
     ckpt = load_checkpoint(BUILDERS[name](tmp_path_factory.mktemp(name) / "ckpt"))
     parts = (load_model(ckpt, "cuda", torch.float32), ckpt.tokenizer)
     kinds: list[str] = []
-    key = cuda_graph_mixed.MixedGraphs._key
-    monkeypatch.setattr(cuda_graph_mixed.MixedGraphs, "_key",
-                        lambda self, batch, n: (lambda k: kinds.append(k[0]) or k)(key(self, batch, n))
-                        if key(self, batch, n) else None)
+    run = cuda_graph_mixed.MixedGraphs.run
+    monkeypatch.setattr(cuda_graph_mixed.MixedGraphs, "run", lambda self, ids, batch:
+                        kinds.append(self._key(batch, ids.shape[0])[0]) or run(self, ids, batch))
 
-    def serve(one: int, pieces: int):
+    def serve(tokens: int):
         # every prompt row through the chunked rule, as the captured cores run it
-        set_launch(mixed_graph_tokens=pieces, one_row_graph_tokens=one, gdn_recurrent_prompt_tokens=0)
+        set_launch(mixed_graph_tokens=tokens, gdn_graph_tokens=tokens, gdn_graph_rows=4,
+                   gdn_recurrent_prompt_tokens=0)
         engines = []
         seen, _ = drive(parts, overlap, SPECS, arrivals=dict(ARRIVALS), device="cuda", engine_out=engines)
         mixed = engines[0].runner.mixed_graphs
-        ones = sorted(t for k, t in mixed.captured if k == cuda_graph_mixed.ONE) if mixed else []
-        assert ones == ([16, 32] if one else [])
+        rows = {k: sorted(t for kk, t in mixed.captured if kk == k) for k in ("one", "few")} if mixed else {}
+        assert rows == ({"one": [16, 32], "few": [16, 32]} if tokens else {})
         return seen
 
-    eager = serve(0, 0)
-    graphed = serve(64, 64)
+    eager = serve(0)
+    graphed = serve(64)
     assert graphed == eager
-    assert kinds.count(cuda_graph_mixed.ONE) >= 3 and cuda_graph_mixed.PROMPT in kinds
+    assert kinds.count(cuda_graph_mixed.ONE) >= 3 and cuda_graph_mixed.FEW in kinds
 
 
 def test_mtp_steps_in_captured_pieces_give_the_eager_tokens(tmp_path_factory, set_launch):
