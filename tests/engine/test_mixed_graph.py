@@ -226,3 +226,31 @@ def test_graph_rows_hold_each_steps_rows_on_the_device():
     few.load(step([6, 2], 0, [10, 5]))
     assert few.cu_seqlens.tolist() == [0, 10, 15, 15, 15] and few.prompt_slots.tolist() == [6, 2, 9, 9]
     assert view.chunks.tolist()[:3] == [[0, 0], [1, 0], [0, 4]] and few.chunk_offsets.tolist() == [0, 1, 2, 2, 2]
+
+
+def test_steps_take_the_gdn_core_buckets_only_where_their_rows_fit():
+    """Which captured bucket a step with prompt rows replays: one prompt row -> kind ONE, two to
+    ``gdn_graph_rows`` -> FEW, each only while its decode rows fit the bucket's decode kernel and
+    no row verifies a draft; more prompt rows, or a bucket not captured for the kind, -> the
+    pieces with the cores eager (PROMPT)."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.cuda_graph_mixed import FEW, ONE, GraphRows
+
+    graphs = MixedGraphs.__new__(MixedGraphs)
+    graphs.buckets = [16, 32, 64]
+    graphs.captured = {(k, t): None for k in (PROMPT, ONE, FEW) for t in (16, 32)} | {(PROMPT, 64): None}
+    cpu = torch.device("cpu")
+    graphs.rows = {ONE: GraphRows(32, 4, 1, 0, cpu), FEW: GraphRows(32, 4, 3, 0, cpu)}
+
+    def key(prompt_rows: int, decode: int, n: int, verify=None):
+        prompt = SimpleNamespace(slots_host=list(range(prompt_rows))) if prompt_rows else None
+        return graphs._key(SimpleNamespace(step=SimpleNamespace(prompt=prompt, num_decode=decode, verify=verify)), n)
+
+    assert key(1, 0, 10) == (ONE, 16) and key(1, 4, 20) == (ONE, 32)
+    assert key(2, 3, 30) == (FEW, 32) and key(3, 0, 16) == (FEW, 16)
+    assert key(4, 0, 16) == (PROMPT, 16)  # more prompt rows than FEW holds
+    assert key(1, 5, 30) == (PROMPT, 32)  # more decode rows than the bucket's decode kernel
+    assert key(1, 0, 40) == (PROMPT, 64)  # past the kinds' largest bucket
+    assert key(1, 0, 10, verify=object()) == (PROMPT, 16)
+    assert key(0, 8, 8) is None  # decode rows only: the decode graphs' step, not the pieces'
