@@ -212,6 +212,7 @@ class _RowsView:
     prompt_slots: torch.Tensor  # [P] int64
     chunks: torch.Tensor  # [C, 2] int64: the (row, chunk) table
     chunk_offsets: torch.Tensor  # [P + 1] int64: each row's first chunk in it
+    pad_slot: torch.Tensor  # [1] int64: the padding slot (the torch reference's rows past the real ones)
 
 
 class GraphRows:
@@ -234,6 +235,7 @@ class GraphRows:
         self.spare = torch.tensor(table, dtype=torch.long, device=device)
         self.chunks = self.spare.clone()
         self.chunk_offsets = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+        self.pad = torch.full((1,), pad_slot, dtype=torch.long, device=device)
 
     def _chunks(self, t: int) -> int:
         """Chunks of at most ``max_rows`` rows in ``t`` tokens."""
@@ -245,7 +247,7 @@ class GraphRows:
 
     def view(self, t: int) -> _RowsView:
         return _RowsView(self.decode_slots[: self.decode_rows(t)], self.cu_seqlens, self.prompt_slots,
-                         self.chunks[: self._chunks(t)], self.chunk_offsets)
+                         self.chunks[: self._chunks(t)], self.chunk_offsets, self.pad)
 
     def load(self, meta: StepMeta) -> None:
         """This step's rows (``meta``: decode rows, then at most ``max_rows`` prompt rows) on the device."""

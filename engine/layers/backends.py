@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .gdn_ops import (causal_conv1d, causal_conv1d_fla, chunk_gated_delta_rule, prefill_gated_delta_rule,
                       recurrent_gated_delta_rule)
@@ -153,6 +154,67 @@ class TorchLinearAttention:
         if out is not None:
             return out
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def graph_rows(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   meta, rows, out: torch.Tensor) -> torch.Tensor:
+        """The torch reference of ``TritonLinearAttention.graph_rows`` (a CPU captures no such bucket
+        unless a test asks, ``rows_in_graph``): every shape fixed by the bucket and no device value
+        read on the host. Each token finds its prompt row from ``rows.cu_seqlens``; its conv window
+        comes from the tokens before it in the row and the row's conv state; the recurrence walks
+        the bucket's tokens one at a time, each updating its row's state where it lies inside a
+        row; the final states go to the rows' slots (rows of no tokens: the padding slot). Then the
+        decode rows run from their slots, the ones past the real rows on ``rows.pad_slot``, their
+        outputs kept only for the real ones."""
+        from .gated_delta_net import l2norm
+        from .gdn_ops import recurrent_step_batched
+
+        gi = meta.gdn_ordinal[layer.layer_idx]
+        conv_pool, rec_pool = meta.states.conv[gi], meta.states.recurrent[gi]
+        x = groups[0] if len(groups) == 1 else torch.cat(groups, dim=-1)
+        t, c = x.shape
+        weight = layer.conv1d.weight.reshape(c, -1)  # [C, W]
+        w = weight.shape[1]
+        cu, slots = rows.cu_seqlens, rows.prompt_slots
+        p = slots.shape[0]
+        at = torch.arange(t, device=x.device)
+        row = torch.searchsorted(cu[1:], at, right=True).clamp(max=p - 1)  # each token's row
+        start, inside = cu[row], (at >= cu[0]) & (at < cu[-1])
+        old = conv_pool.index_select(0, slots)  # [P, W-1, C]: the W-1 inputs before each row
+
+        def inputs(pos: torch.Tensor, first: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            """The conv input at flat positions ``pos`` of rows ``r`` starting at ``first``."""
+            mine = x.index_select(0, pos.clamp(0, t - 1)).to(conv_pool.dtype)
+            before = old[r, (w - 1 + pos - first).clamp(0, w - 2)]
+            return torch.where((pos >= first)[:, None], mine, before)
+
+        window = torch.stack([inputs(at - (w - 1) + j, start, row) for j in range(w)], dim=1)  # [T, W, C]
+        mixed = F.silu(torch.einsum("twc,cw->tc", window.float(), weight.float())).to(x.dtype)
+        q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        q = l2norm(q.reshape(t, layer.num_k_heads, layer.head_k_dim))
+        k = l2norm(k.reshape(t, layer.num_k_heads, layer.head_k_dim))
+        v = v.reshape(t, layer.num_v_heads, layer.head_v_dim)
+        g, beta = layer._gates(a, b)
+        state = rec_pool.index_select(0, slots).float()
+        o = []
+        for i in range(t):
+            r = row[i: i + 1]
+            before = state.index_select(0, r)
+            o_i, after = recurrent_step_batched(q[i: i + 1], k[i: i + 1], v[i: i + 1], g[i: i + 1], beta[i: i + 1],
+                                                before)
+            state.index_copy_(0, r, torch.where(inside[i], after, before))
+            o.append(o_i)
+        rec_pool.index_copy_(0, slots, state.to(rec_pool.dtype))
+        ends, firsts, each = cu[1:], cu[:-1], torch.arange(p, device=x.device)
+        conv_pool.index_copy_(0, slots, torch.stack(
+            [inputs(ends - (w - 1) + j, firsts, each) for j in range(w - 1)], dim=1))
+        heads = (t, layer.num_v_heads, layer.head_v_dim)
+        layer.norm(torch.cat(o).to(z.dtype), z.view(heads), out=out.view(heads))
+        n = rows.decode_slots.shape[0]
+        real = rows.decode_slots >= 0
+        safe = torch.where(real, rows.decode_slots, rows.pad_slot)
+        decoded = self.decode(layer, x[:n], z[:n], a[:n], b[:n], safe, meta)
+        out[:n].copy_(torch.where(real[:, None], decoded, out[:n]))
+        return out
 
     def _decode_rows(self, layer, qkv, z, a, b, meta) -> torch.Tensor:
         """One token for each row: plain decode rows (distinct slots), then the rows that verify

@@ -92,6 +92,37 @@ def test_mtp_steps_in_pieces_give_the_tokens_without_drafts(tmp_path_factory):
     assert {kind for kind, _ in runs} == {PROMPT, ROWS}
 
 
+def test_steps_with_the_gdn_cores_inside_the_pieces_give_the_eager_tokens(tmp_path_factory, monkeypatch):
+    """Kinds ONE and FEW on a CPU, through the torch reference of ``graph_rows`` (which no CPU
+    bucket takes unless asked): the Gated DeltaNet cores run inside the recorded pieces over
+    every token of the bucket, their rows read from ``GraphRows`` (loaded before each replay),
+    the rows of no tokens and the decode rows past the real ones on the padding slot. The
+    greedy tokens are those of the eager steps; steps of one prompt row and of several take them."""
+    from ninfer.engine.cuda_graph_mixed import FEW, ONE
+    from ninfer.engine.layers.backends import TorchLinearAttention
+
+    ckpt = load_checkpoint(save_tiny_qwen3_5(tmp_path_factory.mktemp("rows") / "ckpt"))
+    parts = load_model(ckpt, "cpu", torch.float32), ckpt.tokenizer
+    eager, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS))
+    monkeypatch.setattr(TorchLinearAttention, "rows_in_graph", True)
+    runs: list = []
+    base = install(64, runs)
+
+    def prepare(engine):
+        base(engine)
+        mixed = engine.runner.mixed_graphs
+        with torch.inference_mode():
+            mixed.capture_rows(engine.caches, engine.config.max_concurrency, 32, 3)
+        assert sorted(mixed.captured) == sorted((k, t) for k in (PROMPT, ONE, FEW) for t in (16, 32, 48, 64)
+                                                if k == PROMPT or t <= 32)
+        run = mixed.run
+        mixed.run = lambda ids, batch: runs.append(mixed._key(batch, ids.shape[0])[0]) or run(ids, batch)
+
+    graphed, _ = drive(parts, False, SPECS, arrivals=dict(ARRIVALS), prepare=prepare)
+    assert graphed == eager
+    assert runs.count(ONE) >= 3 and FEW in runs
+
+
 def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, caplog):
     """A piece that takes a value to the host would replay it frozen: the capture refuses it,
     and the steps it would have taken stay eager."""
