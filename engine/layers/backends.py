@@ -128,7 +128,7 @@ class TorchLinearAttention:
     """The Gated DeltaNet conv and recurrence in torch: the reference of the other backends."""
 
     name = "torch"
-    rows_in_graph = False  # no ``graph_rows`` (a step's prompt rows read their bounds on the host)
+    rows_in_graph = False  # its ``graph_rows`` is the reference: no bucket captures it unless a test asks
 
     def step(self, layer, groups: tuple[torch.Tensor, ...], z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta, out: torch.Tensor | None = None) -> torch.Tensor:
