@@ -82,6 +82,18 @@ def host_profile(engine, steps: int, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def profiled_steps(engine, steps: int):
+    """``steps`` engine steps under torch.profiler, after two warm ones."""
+    for _ in range(2):
+        engine.step()
+    _sync()
+    with profile(activities=_activities()) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    return prof
+
+
 def mixed_step(engine, cfg, rows: int, tokens: int, top: int) -> None:
     """One engine step carrying ``rows`` whole prompts of ``tokens`` beside the running batch:
     the host's time in it (wall time of ``engine.step()`` with the profiler's CPU events, and
@@ -195,25 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     while any(not r.output_ids for r in reqs):
         engine.step()
     graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the kernels the graph holds
-    for _ in range(2):
-        engine.step()
-    _sync()
-    with profile(activities=_activities()) as prof:
-        for _ in range(args.steps):
-            engine.step()
-        _sync()
+    prof = profiled_steps(engine, args.steps)
     print(f"## {args.shape} ({args.weights}) decode batch {args.batch}, context {args.context} (eager step)")
     print(kernel_table(prof, args.steps, args.top), flush=True)
     if args.verify > 1:
         verify_graphs, engine.runner.verify_graphs = engine.runner.verify_graphs, None
         use_drafter(engine, RejectedDrafter(args.verify - 1))
-        for _ in range(2):
-            engine.step()
-        _sync()
-        with profile(activities=_activities()) as vprof:
-            for _ in range(args.steps):
-                engine.step()
-            _sync()
+        vprof = profiled_steps(engine, args.steps)
         use_drafter(engine, None)
         engine.runner.verify_graphs = verify_graphs
         print(f"\n## the same batch verifying: rows of {args.verify} tokens (eager step)")
