@@ -49,7 +49,8 @@ from typing import Callable
 import torch
 
 from . import launch
-from .graph_buckets import BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, piece_tokens
+from .graph_buckets import (BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, piece_tokens,
+                            rows_buckets_within)
 from .memory import free_memory_bytes
 from .models.base import GDN_CHUNK, CausalLM, ForwardBatch, PromptRows, StepMeta
 
@@ -372,18 +373,21 @@ class MixedGraphs:
                      ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
 
     @torch.inference_mode()
-    def capture_rows(self, caches, max_decode: int, max_tokens: int, max_rows: int) -> None:
+    def capture_rows(self, caches, max_decode: int, max_tokens: int, max_rows: int, budget: int | None = None) -> None:
         """Capture the buckets of kinds ONE and FEW (up to ``max_rows`` prompt rows) up to
         ``max_tokens`` (at most the largest bucket of kind PROMPT): steps of prompt rows after at
         most ``max_decode`` decode rows, whose Gated DeltaNet cores run inside the pieces over
         ``caches``' state pools (made by now: these are captured after the caches, beside the
         decode graphs), reading their rows from ``GraphRows``. Needs Gated DeltaNet layers whose
         backend can (``rows_in_graph``), key and value heads of one size; a bucket that cannot
-        be captured leaves its kind out."""
+        be captured leaves its kind out. ``budget``: the most bytes they may take of the memory the
+        caches left (``graph_buckets.rows_buckets_within``; None: no limit)."""
         from .layers.gated_delta_net import GatedDeltaNet
 
         gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         tops = [t for k, t in self.captured if k == PROMPT and t <= max_tokens]
+        elt = round(self.per_token / self.model.config.hidden_size)  # the activations' (the probe measured a token)
+        tops = rows_buckets_within(tops, self.model.config, max(max_rows, 1), elt, budget)
         if not (gdn and tops and caches.states is not None) or \
                 not all(m.backend.rows_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
             return

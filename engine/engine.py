@@ -21,7 +21,8 @@ from .engine_config import EngineConfig
 from .frontend.output import OutputProcessor
 from .frontend.tokenizer import Tokenizer
 from .grammar import GrammarError, Grammars
-from .memory import check_step_room, checkpoints_ahead, moving_slots, plan_kv_pages, prefix_checkpoints
+from .memory import (check_step_room, checkpoints_ahead, free_memory_bytes, moving_slots, plan_kv_pages,
+                     prefix_checkpoints, workspace_bytes)
 from .models.base import CausalLM
 from .outputs import RequestOutput, TokenLogprob
 from .outputs import merge as merge_outputs
@@ -84,7 +85,9 @@ class LLMEngine:
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
         if graphs and pieces is not None and pieces.captured:  # their padding slot reserved by the decode graphs
             settings = launch.current()
-            pieces.capture_rows(self.caches, config.max_concurrency, settings.gdn_graph_tokens, settings.gdn_graph_rows)
+            room = free_memory_bytes(self.device, config.gpu_memory_gib) - workspace_bytes(shape, config)
+            pieces.capture_rows(self.caches, config.max_concurrency, settings.gdn_graph_tokens, settings.gdn_graph_rows,
+                                budget=max(room, 0))
         self.runner.mixed_graphs = pieces if pieces is not None and pieces.captured else None
         self._processors: dict[str, OutputProcessor] = {}
         self.overlap = (self.device.type == "cuda") if config.overlap is None else config.overlap

@@ -53,3 +53,27 @@ def buckets_within(buckets: list[int], per_token: float, shared_per_token: float
     while budget is not None and kept and kept_bytes(kept, per_token, shared_per_token, kinds) > budget:
         kept.pop()
     return kept
+
+
+def gdn_core_bytes(config, t: int, rows: int, elt: int) -> int:
+    """What one Gated DeltaNet core inside a captured bucket of ``t`` tokens and up to ``rows``
+    prompt rows takes in the graphs' pool while it runs (``backends.TritonLinearAttention.graph_rows``:
+    the conv's q, k, v, fla-core's decay, strengths, A, w, u, new values and output, the chunks'
+    states, the rows' gathered and final states, the output norm's result); one core's worth,
+    the next core reusing it."""
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    per_token = (2 * hk * dk + 6 * hv * dv + 64 * hv) * elt + 2 * hv * 4
+    chunks = -(-t // 64) + rows
+    return t * per_token + chunks * hv * dk * dv * elt + 2 * rows * hv * dk * dv * 4
+
+
+def rows_buckets_within(buckets: list[int], config, rows: int, elt: int, budget: int | None) -> list[int]:
+    """The buckets of kinds ONE and FEW (``rows`` prompt rows at most), smallest first, that fit
+    ``budget`` bytes: each keeps its final hidden states for both kinds, and the largest's core
+    runs once at a time (None: no limit)."""
+    kept = sorted(buckets)
+    while budget is not None and kept and \
+            2 * sum(kept) * config.hidden_size * elt + gdn_core_bytes(config, kept[-1], rows, elt) > budget:
+        kept.pop()
+    return kept

@@ -285,3 +285,23 @@ def test_steps_take_the_gdn_core_buckets_only_where_their_rows_fit():
     assert key(1, 0, 40) == (PROMPT, 64)  # past the kinds' largest bucket
     assert key(1, 0, 10, verify=object()) == (PROMPT, 16)
     assert key(0, 8, 8) is None  # decode rows only: the decode graphs' step, not the pieces'
+
+
+def test_the_gdn_core_buckets_are_captured_within_the_room_the_caches_leave():
+    """``graph_buckets.rows_buckets_within``: the kinds ONE and FEW keep each bucket's final
+    hidden states twice and run the largest bucket's Gated DeltaNet core in the graphs' pool;
+    the largest buckets go until that fits the room the caches and a step's work leave."""
+    from ninfer.bench.shapes import shape_config
+    from ninfer.engine.graph_buckets import BUCKETS, gdn_core_bytes, rows_buckets_within
+
+    cfg = shape_config("qwen3.5-9b")
+    every = [b for b in BUCKETS if b <= 2048]
+    need = 2 * sum(every) * cfg.hidden_size * 2 + gdn_core_bytes(cfg, 2048, 16, 2)
+    assert 100 << 20 < need < 1 << 30  # the 9B's: a few hundred MiB for every bucket to 2,048
+    assert rows_buckets_within(every, cfg, 16, 2, None) == every
+    assert rows_buckets_within(every, cfg, 16, 2, need) == every
+    fewer = rows_buckets_within(every, cfg, 16, 2, need // 2)
+    assert fewer == every[: len(fewer)] and 0 < len(fewer) < len(every)
+    assert rows_buckets_within(every, cfg, 16, 2, 0) == []
+    # one prompt row's core takes less than sixteen rows'
+    assert gdn_core_bytes(cfg, 512, 1, 2) < gdn_core_bytes(cfg, 512, 16, 2)
