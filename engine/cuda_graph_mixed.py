@@ -387,15 +387,13 @@ class MixedGraphs:
         gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         tops = [t for k, t in self.captured if k == PROMPT and t <= max_tokens]
         elt = round(self.per_token / self.model.config.hidden_size)  # the activations' (the probe measured a token)
-        tops = rows_buckets_within(tops, self.model.config, max(max_rows, 1), elt, budget)
+        tops = rows_buckets_within(tops, self.model.config, max_rows, elt, budget)
         if not (gdn and tops and caches.states is not None) or \
                 not all(m.backend.rows_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
             return
         _, pad_slot = caches.reserve_padding()
         self._rows_meta = (caches.states, caches.gdn_ordinal)
-        for kind, rows in ((ONE, 1), (FEW, max_rows)):
-            if rows < (1 if kind == ONE else 2):
-                continue
+        for kind, rows in ((ONE, 1), (FEW, max_rows))[: 1 + (max_rows > 1)]:
             self.rows[kind] = GraphRows(max(tops), max_decode, rows, pad_slot, self.device)
             for t in sorted(tops, reverse=True):
                 try:

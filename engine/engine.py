@@ -83,8 +83,9 @@ class LLMEngine:
         if graphs:
             self.runner.enable_cuda_graphs(config.max_concurrency, config.max_context,
                                            config.draft_tokens + 1 if config.spec == "ngram" else 0)
-        if graphs and pieces is not None and pieces.captured:  # their padding slot reserved by the decode graphs
-            settings = launch.current()
+        settings = launch.current()
+        if settings.gdn_graph_tokens and graphs and pieces is not None and pieces.captured:  # (the decode graphs
+            # reserved their padding slot)
             room = free_memory_bytes(self.device, config.gpu_memory_gib) - workspace_bytes(shape, config)
             pieces.capture_rows(self.caches, config.max_concurrency, settings.gdn_graph_tokens, settings.gdn_graph_rows,
                                 budget=max(room, 0))

@@ -3,6 +3,7 @@ keep in memory, from the model's shapes alone (no torch: the launcher's plan rea
 from __future__ import annotations
 
 BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # at most a third of padding above 32
+GDN_CHUNK = 64  # the Gated DeltaNet prompt kernels' chunk (models.base.GDN_CHUNK, whose module needs torch)
 PIECES_SHARE = 0.04  # of the device memory free before the caches are sized, the most the pieces keep
 
 
@@ -63,8 +64,8 @@ def gdn_core_bytes(config, t: int, rows: int, elt: int) -> int:
     the next core reusing it."""
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    per_token = (2 * hk * dk + 6 * hv * dv + 64 * hv) * elt + 2 * hv * 4
-    chunks = -(-t // 64) + rows
+    per_token = (2 * hk * dk + 6 * hv * dv + GDN_CHUNK * hv) * elt + 2 * hv * 4
+    chunks = -(-t // GDN_CHUNK) + rows
     return t * per_token + chunks * hv * dk * dv * elt + 2 * rows * hv * dk * dv * 4
 
 

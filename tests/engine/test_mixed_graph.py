@@ -303,5 +303,9 @@ def test_the_gdn_core_buckets_are_captured_within_the_room_the_caches_leave():
     fewer = rows_buckets_within(every, cfg, 16, 2, need // 2)
     assert fewer == every[: len(fewer)] and 0 < len(fewer) < len(every)
     assert rows_buckets_within(every, cfg, 16, 2, 0) == []
-    # one prompt row's core takes less than sixteen rows'
+    # one prompt row's core takes less than sixteen rows'; counted in the kernels' own chunks
+    from ninfer.engine import graph_buckets
+    from ninfer.engine.models.base import GDN_CHUNK
+
+    assert graph_buckets.GDN_CHUNK == GDN_CHUNK
     assert gdn_core_bytes(cfg, 512, 1, 2) < gdn_core_bytes(cfg, 512, 16, 2)
