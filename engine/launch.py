@@ -107,8 +107,11 @@ class LaunchSettings:
     mixed_graph_tokens: int = 2048
     # steps of up to ``gdn_graph_rows`` prompt rows beside decode rows, of up to this many tokens,
     # with the Gated DeltaNet cores inside the pieces (``cuda_graph_mixed`` kinds ONE and FEW:
-    # only the attention cores eager between them; 0: those cores eager too)
-    gdn_graph_tokens: int = 0
+    # only the attention cores eager between them; 0: those cores eager too). H100, 9B shape,
+    # a 512-token prompt beside 8 decoding requests: 13,725 -> 22,126 tok/s, their gap p99 5.5x
+    # -> 3.3x of a decode step alone; the 0.8B's 64 streams through HTTP 12,066 -> 13,207 tok/s
+    # (RESULTS 2026-12-07, seventh session). Captured after the caches, within what they leave.
+    gdn_graph_tokens: int = 2048
     gdn_graph_rows: int = 16
     # decode and verify rows (up to 64) of a 4-bit or 8-bit weight through the split-K GEMV on the tensor
     # cores (``quant_gemv_triton.int4_gemv_split_triton``, groups it takes), else the scalar GEMV
@@ -119,9 +122,9 @@ class LaunchSettings:
                                                             "PER_SM": 4})
     # one decode row against a 4-bit weight prepared once by a small kernel before the split GEMV
     # (its dot tiles and chunk sums: ``quant_gemv_triton.x_pack``): the GEMV alone 18% faster on
-    # the 27B's projections (H100, RESULTS 2026-12-07 fifth session); off until the whole step
-    # with the extra launch is measured
-    int4_x_pack: bool = False
+    # the 27B's projections (H100, RESULTS 2026-12-07 fifth session); the 27B's whole decode step
+    # at b=1, the extra launch included: 84.4 -> 95.4 tok/s (41.8% -> 46.9% of the bandwidth floor)
+    int4_x_pack: bool = True
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_MODES:

@@ -581,6 +581,9 @@ def test_the_split_gemv_takes_its_tiles_from_the_launch_settings(monkeypatch):
         assert rel_err(method(x[:1]).float(), want[:1]) < 1e-2
         assert rel_err(method(x).float(), want) < 1e-2  # two rows: as they are
     assert packs == [128]
+    with launch.using(int4_x_pack=False):  # one decode row as it is
+        assert rel_err(method(x[:1]).float(), want[:1]) < 1e-2
+    assert packs == [128]
     assert qg.split_count(48, 512, 16, 128, torch.device("cpu"), per_sm=4) == 4  # 3 row blocks, 16 programs wanted
     assert qg.split_count(48, 512, 32, 64, torch.device("cpu"), per_sm=1) == 2
 
