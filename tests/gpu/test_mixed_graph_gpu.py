@@ -33,7 +33,7 @@ def test_steps_with_prompt_rows_in_captured_pieces_give_the_eager_tokens(name, o
                         lambda self, ids, batch: runs.append(ids.shape[0]) or run(self, ids, batch))
 
     def serve(tokens: int):
-        set_launch(mixed_graph_tokens=tokens)
+        set_launch(mixed_graph_tokens=tokens, gdn_graph_tokens=0)  # every token mixer's core eager
         engines = []
         seen, _ = drive(parts, overlap, SPECS, arrivals=dict(ARRIVALS), device="cuda", engine_out=engines)
         mixed = engines[0].runner.mixed_graphs
