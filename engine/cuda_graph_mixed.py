@@ -42,6 +42,7 @@ bucket's static output, read before the next step runs): there those steps take 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +50,7 @@ from typing import Callable
 import torch
 
 from . import launch
+from .cuda_graphs import uncollected
 from .graph_buckets import (BUCKETS, PIECES_SHARE, activation_per_token, buckets_within, kept_bytes, piece_tokens,
                             rows_buckets_within)
 from .memory import free_memory_bytes
@@ -358,6 +360,7 @@ class MixedGraphs:
         """Capture every bucket of every kind, largest first (the smaller ones reuse its memory).
         A bucket that cannot be captured ends the capture of its kind: the steps it would have
         taken stay eager."""
+        gc.collect()  # (what holds graphs of an engine before this one freed now, not mid-capture)
         for kind in self.kinds:
             for t in reversed(self.buckets):
                 try:
@@ -392,6 +395,7 @@ class MixedGraphs:
                 not all(m.backend.rows_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
             return
         _, pad_slot = caches.reserve_padding()
+        gc.collect()
         self._rows_meta = (caches.states, caches.gdn_ordinal)
         for kind, rows in ((ONE, 1), (FEW, max_rows))[: 1 + (max_rows > 1)]:
             self.rows[kind] = GraphRows(max(tops), max_decode, rows, pad_slot, self.device)
@@ -438,11 +442,12 @@ class MixedGraphs:
                 pieces[-1].capture_begin(pool=self.pool)
 
             capture = _Capture(shared, cut, rows)
-            pieces[0].capture_begin(pool=self.pool)
-            try:
-                hidden = self._forward(kind, t, capture)
-            finally:
-                pieces[-1].capture_end()
+            with uncollected():
+                pieces[0].capture_begin(pool=self.pool)
+                try:
+                    hidden = self._forward(kind, t, capture)
+                finally:
+                    pieces[-1].capture_end()
         if cuda:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)

@@ -23,7 +23,7 @@ import torch
 
 from .cache.kv_pool import pool_row
 from .cache.manager import CacheManager
-from .cuda_graphs import WIDE_ROWS
+from .cuda_graphs import WIDE_ROWS, uncollected
 from .models.base import CausalLM, ForwardBatch, StepMeta, VerifyRows
 from .request import Request
 from .runner import sampled_logits
@@ -171,7 +171,7 @@ class CudaGraphVerifier:
                     self._forward(b)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with uncollected(), torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(b)
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)

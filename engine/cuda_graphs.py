@@ -13,6 +13,8 @@ syncs with the host; the caller reads the sampled tokens once.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import torch
@@ -26,6 +28,23 @@ from .request import Request
 from .runner import sampled_logits
 
 log = logging.getLogger("ninfer.engine")
+
+
+@contextlib.contextmanager
+def uncollected():
+    """The garbage collector off while a capture runs: an unreachable object that holds a CUDA
+    graph (an engine made before this one, in a process that makes several) destroys its graph
+    when the collector frees it, and a graph destroyed while a stream captures invalidates that
+    capture (the bucket's steps then stay eager). Collect before capturing (``torch.cuda.graph``
+    does) so that nothing is left for the collector to free once it runs again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 WIDE_ROWS = 5  # int64 inputs per row: token id, position, KV write row, state slot, KV write slot
@@ -195,7 +214,7 @@ class CudaGraphDecoder:
                     self.inputs.copy_(saved)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with uncollected(), torch.cuda.graph(graph, pool=self.pool):
                 logits = sampled_logits(self.model, self.model(self.input_ids[:b], batch), self.vocab)
                 if self.greedy_in_graph:  # the embedding has read the ids: the greedy tokens take their place
                     torch.argmax(logits, dim=-1, out=self.input_ids[:b])

@@ -9,6 +9,8 @@ experts' token counts on the host, which no graph can hold; on a GPU its kernels
 capture: ``tests/gpu/test_mixed_graph_gpu.py``.)"""
 from __future__ import annotations
 
+import gc
+
 import logging
 
 import pytest
@@ -143,6 +145,45 @@ def test_a_forward_that_reads_the_device_on_the_host_is_not_captured(parts, capl
         del norm.forward
     assert mixed.captured == {}
     assert "stay eager" in caplog.text
+
+
+def test_no_graph_is_freed_by_the_collector_while_a_bucket_captures(parts, monkeypatch):
+    """A graph destroyed while a stream captures invalidates that capture (an engine made before
+    this one, its graphs in reference cycles, freed by the garbage collector mid-capture left a
+    bucket's steps eager): the collector stays off while a bucket captures and frees such
+    garbage before the next, and every bucket is captured."""
+    model, _ = parts
+    freed: list[bool] = []  # whether a capture was under way when the old graph was freed
+    capturing = []
+
+    class OldGraph:  # an earlier engine's graph, reachable only through a cycle
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            freed.append(bool(capturing))
+
+    class Watched(RecordedGraph):
+        def capture_begin(self, pool=None) -> None:
+            capturing.append(self)
+            OldGraph()  # garbage the collector would free at its next run
+            super().capture_begin(pool)
+
+        def capture_end(self) -> None:
+            super().capture_end()
+            capturing.remove(self)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # the collector runs at almost every allocation it is allowed to
+    try:
+        with torch.inference_mode():
+            mixed = MixedGraphs(model, torch.device("cpu"), 32, graph=Watched)
+            mixed.capture()
+        gc.collect()
+    finally:
+        gc.set_threshold(*threshold)
+    assert sorted(t for _, t in mixed.captured) == [16, 32]
+    assert freed and not any(freed)
 
 
 def test_the_buckets_keep_their_hidden_states_and_share_the_cores_inputs_and_outputs(parts):
