@@ -22,11 +22,13 @@ replay, and only the cores pay Python's cost per kernel.
 Memory: the cores' static inputs and outputs are one set per kind of core (attention, Gated
 DeltaNet), sized for the largest bucket, that every core of every bucket uses the head of: a
 piece ends by copying its core's inputs there (storage for storage, the core seeing views with
-the originals' strides), and a core's output is read by the piece after it alone. So a bucket
-keeps only its final hidden states in the graphs' pool (``graph_buckets.kept_per_token``: at the
-9B shape 8 KB a token; the shared set 60 KB a token of the largest bucket: 176 MB for every
-bucket up to 2,048 with the set), where it kept every
-layer's core inputs before (0.77 MB a token, 5.4 GB for every bucket up to 2,048). The engine
+the originals' strides), and a core's output is read by the piece after it alone. The last piece
+copies the final hidden states into one shared output too, so a bucket keeps nothing of its own
+in the graphs' pool (``graph_buckets.kept_per_token``: at the 9B shape the shared set is 68 KB a
+token of the largest bucket, 136 MB at 2,048, however many buckets there are; before, each
+bucket kept its final hidden states, 8 KB a token of every bucket of every kind, and every
+layer's core inputs before that, 0.77 MB a token). So the buckets can be close together (a step
+pads at most a fifth of its tokens above 32) for the cost of their capture time alone. The engine
 captures the pieces before it sizes the KV cache, so the cache is planned around what they take,
 and gives them at most ``PIECES_SHARE`` of the memory free then: a probe forward of the smallest
 bucket measures the bytes a bucket keeps per token, and the buckets above what the share holds
@@ -155,6 +157,13 @@ class _Capture:
         self._record(_Core(layer, (groups, z, a, b), out, attention=False))
         return out
 
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The forward's final hidden states copied into the shared static output, which every
+        bucket of every kind writes the head of (a step's are read before the next step runs)."""
+        out = self._buffer(("final",), tuple(hidden.shape), hidden.dtype, hidden.device)
+        out.copy_(hidden)
+        return out
+
     def _record(self, core: _Core) -> None:
         self.cores.append(core)
         if self.cut is not None:
@@ -182,11 +191,12 @@ class _Bucket:
         self.pieces, self.cores, self.hidden = pieces, cores, hidden
 
     def kept(self, shared: dict | None = None) -> list[torch.Tensor]:
-        """The tensors of the graphs' pool this bucket keeps: its final hidden states, and any
-        core input not on a ``shared`` storage (the cores' static inputs and outputs are shared)."""
+        """The tensors of the graphs' pool this bucket keeps of its own: any core input or final
+        output not on a ``shared`` storage (the cores' static inputs and outputs and the final
+        hidden states are shared: nothing, as captured)."""
         ptrs = {x.untyped_storage().data_ptr() for x in (shared or {}).values()}
-        return [x for core in self.cores for x in _flat(core.inputs)
-                if x.untyped_storage().data_ptr() not in ptrs] + [self.hidden]
+        return [x for x in [*(y for core in self.cores for y in _flat(core.inputs)), self.hidden]
+                if x.untyped_storage().data_ptr() not in ptrs]
 
 
 def _flat(xs) -> list[torch.Tensor]:
@@ -306,13 +316,14 @@ class MixedGraphs:
         per token."""
         t = self.buckets[0]
         probe = _Capture({}, None)
-        hidden = self._forward(self.kinds[0], t, probe)
+        hidden = probe.output(self._forward(self.kinds[0], t, probe))
         per_token = storage_bytes(_Bucket([], probe.cores, hidden).kept(probe.shared)) / t
         shared = storage_bytes(list(probe.shared.values())) / t
         self.per_token, self.shared_per_token = per_token, shared
         # within the budget, the largest bucket's activations too: the graphs' pool keeps what
         # its capture took at most (the plan counts them so: ``app/footprint.piece_bytes``)
-        self.work_per_token = activation_per_token(self.model.config, hidden.element_size())
+        self.elt = hidden.element_size()
+        self.work_per_token = activation_per_token(self.model.config, self.elt)
         shared += self.work_per_token
         kept = buckets_within(self.buckets, per_token, shared, len(self.kinds), budget)
         if len(kept) < len(self.buckets):
@@ -389,8 +400,7 @@ class MixedGraphs:
 
         gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         tops = [t for k, t in self.captured if k == PROMPT and t <= max_tokens]
-        elt = round(self.per_token / self.model.config.hidden_size)  # the activations' (the probe measured a token)
-        tops = rows_buckets_within(tops, self.model.config, max_rows, elt, budget)
+        tops = rows_buckets_within(tops, self.model.config, max_rows, self.elt, budget)
         if not (gdn and tops and caches.states is not None) or \
                 not all(m.backend.rows_in_graph and m.head_k_dim == m.head_v_dim for m in gdn):
             return
@@ -433,7 +443,8 @@ class MixedGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):  # warm-up: the pieces' kernels compiled and tuned outside the capture
-                self._forward(kind, t, _Capture(shared, None, rows))
+                warm = _Capture(shared, None, rows)
+                warm.output(self._forward(kind, t, warm))
             pieces = [self.graph()]
 
             def cut() -> None:
@@ -445,7 +456,7 @@ class MixedGraphs:
             with uncollected():
                 pieces[0].capture_begin(pool=self.pool)
                 try:
-                    hidden = self._forward(kind, t, capture)
+                    hidden = capture.output(self._forward(kind, t, capture))
                 finally:
                     pieces[-1].capture_end()
         if cuda:

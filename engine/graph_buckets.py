@@ -2,9 +2,15 @@
 keep in memory, from the model's shapes alone (no torch: the launcher's plan reads it too)."""
 from __future__ import annotations
 
-BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # at most a third of padding above 32
+# at most a fifth of a step's tokens padding above 32 (a 512-token prompt beside 8 decode rows
+# runs as 576 tokens, not 768): the buckets keep nothing of their own, so more cost only capture time
+BUCKETS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024,
+           1280, 1536, 1792, 2048)
 GDN_CHUNK = 64  # the Gated DeltaNet prompt kernels' chunk (models.base.GDN_CHUNK, whose module needs torch)
-PIECES_SHARE = 0.04  # of the device memory free before the caches are sized, the most the pieces keep
+# of the device memory free before the caches are sized, the most the pieces keep (mostly the
+# largest bucket's work while it is captured: 3.5% keeps a 16 GB card's 9B at 262,144 tokens with
+# its LM head in 8 bits, the 2,048-token bucket left out there)
+PIECES_SHARE = 0.035
 
 
 def piece_tokens(setting: int, step_tokens: int) -> int:
@@ -22,12 +28,12 @@ def activation_per_token(config, elt: int) -> int:
 
 
 def kept_per_token(config, elt: int) -> tuple[int, int]:
-    """The bytes a bucket keeps per token (its final hidden states) and the shared static
-    tensors' per token (``cuda_graph_mixed._Capture``: one set of the cores' inputs and outputs
-    per kind of core, attention's query (with its output gate on the hybrid models), key, value
-    and output, the Gated DeltaNet's q/k/v, z, a, b and output), for a model of ``config`` whose
-    activations take ``elt`` bytes: what the probe measures, from the shapes alone (the
-    launcher's plan)."""
+    """The bytes a bucket keeps of its own per token (none: its final hidden states go to the
+    shared output) and the shared static tensors' per token (``cuda_graph_mixed._Capture``: the
+    final hidden states, one set of the cores' inputs and outputs per kind of core, attention's
+    query (with its output gate on the hybrid models), key, value and output, the Gated
+    DeltaNet's q/k/v, z, a, b and output), for a model of ``config`` whose activations take
+    ``elt`` bytes: what the probe measures, from the shapes alone (the launcher's plan)."""
     types = config.layer_types
     shared = 0
     if any(t == "full_attention" for t in types):
@@ -37,7 +43,7 @@ def kept_per_token(config, elt: int) -> tuple[int, int]:
         key = config.linear_num_key_heads * config.linear_key_head_dim
         value = config.linear_num_value_heads * config.linear_value_head_dim
         shared += 2 * key + 2 * value + 2 * config.linear_num_value_heads + value
-    return config.hidden_size * elt, shared * elt
+    return 0, (config.hidden_size + shared) * elt
 
 
 def kept_bytes(buckets: list[int], per_token: float, shared_per_token: float, kinds: int) -> float:
@@ -71,10 +77,10 @@ def gdn_core_bytes(config, t: int, rows: int, elt: int) -> int:
 
 def rows_buckets_within(buckets: list[int], config, rows: int, elt: int, budget: int | None) -> list[int]:
     """The buckets of kinds ONE and FEW (``rows`` prompt rows at most), smallest first, that fit
-    ``budget`` bytes: each keeps its final hidden states for both kinds, and the largest's core
-    runs once at a time (None: no limit)."""
+    ``budget`` bytes: they keep nothing of their own (their outputs are the shared ones of kind
+    PROMPT's buckets, at least as large), and the largest's core runs once at a time (None: no
+    limit)."""
     kept = sorted(buckets)
-    while budget is not None and kept and \
-            2 * sum(kept) * config.hidden_size * elt + gdn_core_bytes(config, kept[-1], rows, elt) > budget:
+    while budget is not None and kept and gdn_core_bytes(config, kept[-1], rows, elt) > budget:
         kept.pop()
     return kept
