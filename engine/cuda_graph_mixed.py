@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -372,6 +373,7 @@ class MixedGraphs:
         A bucket that cannot be captured ends the capture of its kind: the steps it would have
         taken stay eager."""
         gc.collect()  # (what holds graphs of an engine before this one freed now, not mid-capture)
+        start = time.perf_counter()
         for kind in self.kinds:
             for t in reversed(self.buckets):
                 try:
@@ -383,8 +385,9 @@ class MixedGraphs:
                         del self.captured[key]
                     break
         if self.captured:
-            log.info("captured CUDA graphs in pieces for steps of %s tokens",
-                     ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds))
+            log.info("captured CUDA graphs in pieces for steps of %s tokens in %.1f s",
+                     ", ".join(f"{kind}: {sorted(t for k, t in self.captured if k == kind)}" for kind in self.kinds),
+                     time.perf_counter() - start)
 
     @torch.inference_mode()
     def capture_rows(self, caches, max_decode: int, max_tokens: int, max_rows: int, budget: int | None = None) -> None:
@@ -406,6 +409,7 @@ class MixedGraphs:
             return
         _, pad_slot = caches.reserve_padding()
         gc.collect()
+        start = time.perf_counter()
         self._rows_meta = (caches.states, caches.gdn_ordinal)
         for kind, rows in ((ONE, 1), (FEW, max_rows))[: 1 + (max_rows > 1)]:
             self.rows[kind] = GraphRows(max(tops), max_decode, rows, pad_slot, self.device)
@@ -420,10 +424,10 @@ class MixedGraphs:
                     del self.rows[kind]
                     break
         if self.rows:
-            log.info("captured CUDA graphs in pieces with the Gated DeltaNet cores inside for steps of %s",
+            log.info("captured CUDA graphs in pieces with the Gated DeltaNet cores inside for steps of %s in %.1f s",
                      ", ".join(f"{'one prompt row' if k == ONE else f'up to {r.max_rows} prompt rows'}: "
                                f"{sorted(t for kk, t in self.captured if kk == k)} tokens"
-                               for k, r in self.rows.items()))
+                               for k, r in self.rows.items()), time.perf_counter() - start)
 
     def _capture(self, kind: str, t: int) -> _Bucket:
         shared = self.shared
