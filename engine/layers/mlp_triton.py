@@ -8,20 +8,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, cols, blocks, g_stride, u_stride, BLOCK: tl.constexpr):
+    """Program ``pid``: columns ``BLOCK * (pid % blocks)`` on of row ``pid // blocks``; gate and up
+    rows ``g_stride`` / ``u_stride`` apart (the halves of a fused gate/up projection's output,
+    read where they lie), the output rows contiguous."""
+    pid = tl.program_id(0)
+    row = (pid // blocks).to(tl.int64)
+    offs = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    g = tl.load(g_ptr + row * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, cols]`` with unit column stride, a view where it can be (the halves of a
+    fused projection's output are), a copy where not."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` into a new contiguous tensor of their shape, reading each input's rows
+    in place (no copy of a strided half of a fused gate/up output)."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} vs up {tuple(up.shape)}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        g, u = _rows(gate), _rows(up)
+        cols = g.shape[1]
+        blocks = triton.cdiv(cols, 1024)
+        _silu_mul_kernel[(g.shape[0] * blocks,)](g, u, out, cols, blocks, g.stride(0), u.stride(0), BLOCK=1024)
     return out

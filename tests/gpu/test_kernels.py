@@ -79,6 +79,8 @@ def test_silu_mul():
     g = torch.randn(9, 17408, device="cuda", dtype=torch.bfloat16)
     u = torch.randn_like(g)
     assert rel_err(silu_mul(g, u), torch.nn.functional.silu(g.float()) * u.float()) < 1e-2
+    g, u = torch.randn(9, 2 * 17408, device="cuda", dtype=torch.bfloat16).split([17408, 17408], dim=-1)
+    assert rel_err(silu_mul(g, u), torch.nn.functional.silu(g.float()) * u.float()) < 1e-2  # a fused output's halves
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 2048, 4096), (4, 5120, 6144), (1, 5120, 17408), (8, 12352, 2048),

@@ -90,6 +90,18 @@ def test_norm_kernels():
     assert rel_err(out[100:].view(700, 6, 32), gated(x, z.contiguous())) < 1e-5
     g, u = torch.randn(3, 100), torch.randn(3, 100)
     assert rel_err(silu_mul_triton(g, u), torch.nn.functional.silu(g) * u) < 1e-5
+    # the halves of a fused gate/up output read where they lie (rows 2 x 1100 apart, two column
+    # blocks a row, the second ragged), the output contiguous; and a 3-D input
+    from ninfer.engine.layers import mlp_triton
+
+    fused = torch.randn(5, 2 * 1100)
+    g, u = fused.split([1100, 1100], dim=-1)
+    assert mlp_triton._rows(g).data_ptr() == g.data_ptr() and mlp_triton._rows(u).data_ptr() == u.data_ptr()
+    got = silu_mul_triton(g, u)
+    assert got.is_contiguous() and got.shape == (5, 1100)
+    assert rel_err(got, torch.nn.functional.silu(g) * u) < 1e-5
+    g3, u3 = torch.randn(2, 3, 40), torch.randn(2, 3, 40)
+    assert rel_err(silu_mul_triton(g3, u3), torch.nn.functional.silu(g3) * u3) < 1e-5
 
 
 def test_host_embedding_rows():
