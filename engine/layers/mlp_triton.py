@@ -24,7 +24,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, cols, blocks, g_stride, u_stride, BL
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, cols]`` with unit column stride, a view where it can be (the halves of a
     fused projection's output are), a copy where not."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
