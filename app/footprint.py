@@ -21,6 +21,10 @@ WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.125, "4bit": 
 # (``layers/linear.TritonGroupMethod``'s zero point 8)
 SYMMETRIC_4BIT = 4.125
 CUDA_CONTEXT = 640 * MiB  # CUDA context, cuBLAS workspace and the caching allocator's slack
+# of it, what lies inside torch's allocator (cuBLAS workspaces, the allocator's rounding): all
+# that a cap on the process's torch allocations (``--gpu-memory-gib``) holds of it
+ALLOCATOR_SHARE = 128 * MiB
+HELD_MARGIN = 256 * MiB  # kept under such a cap: nothing else shares it, the plan's own error
 GRAPH_ALLOWANCE = 64 * MiB  # CUDA graphs: a fixed part and a part per lane (decode batch sizes)
 GRAPH_PER_LANE = 4 * MiB
 # steps with prompt rows replayed from CUDA graphs in pieces: each bucket up to this many tokens
@@ -62,7 +66,8 @@ def model_weight_bytes(shape: ModelShape, s: "Settings") -> int:
 
 
 KV_SCALE_BYTES = 4  # one-byte KV elements (--kv-dtype fp8 / int8): an fp32 scale per token and KV head
-KV4_GROUP = 32  # 4-bit KV values (--kv-dtype 4bit): an fp32 scale per group of 32 of the head dim
+KV4_GROUP = 32  # 4-bit KV values (--kv-dtype 4bit): an fp16 scale per group of 32 of the head dim
+KV4_SCALE_BYTES = 2
 KV4_KEY_RANGE_BYTES = 4  # 4-bit KV keys: an fp16 step and minimum per channel and page
 KV_PAGE = 16  # tokens per KV page (the engine's default page_size)
 
@@ -74,7 +79,7 @@ def kv_bytes_per_token(shape: ModelShape, elt: float, attention_layers: int | No
     d = shape.config.head_dim
     heads = shape.config.num_key_value_heads
     if elt == 0.5:  # key codes and ranges per page, value codes and their groups' scales
-        page = layers * heads * (KV_PAGE * (d + KV_SCALE_BYTES * (d // min(KV4_GROUP, d))) + KV4_KEY_RANGE_BYTES * d)
+        page = layers * heads * (KV_PAGE * (d + KV4_SCALE_BYTES * (d // min(KV4_GROUP, d))) + KV4_KEY_RANGE_BYTES * d)
         return -(-page // KV_PAGE)
     row = d * int(elt) + (KV_SCALE_BYTES if elt == 1 else 0)
     return 2 * layers * heads * row
@@ -109,6 +114,7 @@ class Settings:
     embedding_host: bool = False  # --embedding-host: an untied model's token table in host memory
     head_bits: float | None = None  # bits a weight of an untied LM head held quantized (None: the compute dtype)
     device_free: int = 0  # bytes free on the device before the server loads (0: not known, no share taken)
+    held: bool = False  # the device's memory is --gpu-memory-gib's cap on torch's allocations
 
     @property
     def kv_tokens(self) -> int:
@@ -142,7 +148,7 @@ def footprint(shape: ModelShape, s: Settings) -> dict[str, int]:
         * state_bytes_per_lane(shape, s.elt, s.state_elt),
         "workspace": workspace,
         "cuda_graphs": GRAPH_ALLOWANCE + s.lanes * GRAPH_PER_LANE + piece_bytes(shape, s) if s.cuda else 0,
-        "cuda_context": CUDA_CONTEXT if s.cuda else 0,
+        "cuda_context": context_bytes(s),
         "vision": (shape.vision_params + shape.vision_activations) * s.elt if s.vision else 0,
     }
     return parts
@@ -157,7 +163,7 @@ def piece_bytes(shape: ModelShape, s: Settings) -> int:
     top = piece_tokens(PIECE_TOKENS, s.prefill_chunk)
     budget = None
     if s.device_free:
-        left = s.device_free - model_weight_bytes(shape, s) - CUDA_CONTEXT
+        left = s.device_free - model_weight_bytes(shape, s) - context_bytes(s)
         budget = int(PIECES_SHARE * max(left, 0))
     shared += activation_per_token(shape.config, s.elt)  # the largest bucket's work while it is captured
     kept = buckets_within([b for b in BUCKETS if b <= top], per_token, shared, 1, budget)
@@ -176,9 +182,18 @@ def default_checkpoints(shape: ModelShape, s: Settings, free: int) -> int:
     return n
 
 
-def margin_bytes(total: int, cuda: bool) -> int:
+def context_bytes(s: Settings) -> int:
+    """The CUDA context's part of the footprint: all of it on a card, what torch's allocator holds of
+    it under ``--gpu-memory-gib`` (the context itself lies outside that cap)."""
+    return 0 if not s.cuda else ALLOCATOR_SHARE if s.held else CUDA_CONTEXT
+
+
+def margin_bytes(total: int, cuda: bool, held: bool = False) -> int:
     """Left free for the desktop and other programs (under WSL the driver pages GPU memory to system
-    RAM when it runs short, which slows every kernel: better to leave some)."""
+    RAM when it runs short, which slows every kernel: better to leave some); under a cap on this
+    process's allocations, which no other program shares, ``HELD_MARGIN``."""
+    if held:
+        return HELD_MARGIN
     if cuda:
         return max(512 * MiB, int(total * 0.03))
     return max(1 * GiB, int(total * 0.10))

@@ -113,7 +113,7 @@ def read_serve_args(serve_args: list[str]) -> argparse.Namespace:
     """The flags given by hand, parsed by ninfer-serve's own parser; None where not given."""
     if not serve_args:  # nothing to parse: spare the tray the parser's torch import
         return argparse.Namespace(model=None, device=None, max_context=None, max_concurrency=None,
-                                  prefill_chunk=None, host=None, port=None, api_key=None)
+                                  prefill_chunk=None, host=None, port=None, api_key=None, gpu_memory_gib=None)
     from ..server.cli import build_parser
 
     parser = build_parser()
@@ -152,6 +152,8 @@ def resolve(opts: LaunchOptions, settings: AppSettings | None = None, probe_resu
             from .plan import Device
 
             device = Device(gpu.name, gpu.total, gpu.free or 0, gpu.index)
+    if given.gpu_memory_gib is not None and device.cuda:  # planned for the cap the server is held to
+        device = device.held_to(given.gpu_memory_gib)
     want = Want(
         lanes=given.max_concurrency or opts.concurrency or (settings.concurrency if settings else None),
         context=given.max_context or opts.context or (settings.context if settings else None),

@@ -28,8 +28,10 @@ CPU_LANES, CPU_CONTEXT, CPU_PREFILL = 4, 8192, 512
 KV_CHOICES = ((None, 4), (1, 4), (1, 2), (0.5, 4), (0.5, 2))
 KV_FLAGS = {1: "fp8", 0.5: "4bit"}
 # device prefix checkpoints kept where the usual number (``footprint.default_checkpoints``) leaves
-# less context: a returning turn then comes back from the host tier more often
-FEW_CHECKPOINTS = 4
+# less context: a returning turn then comes back from the host tier more often. Each pass tries
+# every way of holding the KV cache and the state with these; one checkpoint (the last pass)
+# comes after the smallest KV formats with four
+CHECKPOINT_PASSES = ((None, 4), (1,))
 # an untied LM head quantized at load on a GPU: 8 bits (the server's default), 4 where 8 leave less context
 HEAD_BITS_DEFAULT, HEAD_BITS_SMALL = WEIGHT_BITS["int8"], WEIGHT_BITS["4bit"]
 # checkpoints kept quantized whose LM head is stored dense: the server quantizes it at load only
@@ -48,6 +50,10 @@ class Device:
     total: int  # bytes
     free: int  # bytes free before the server starts
     index: int | None = None  # CUDA index; None for the CPU
+    # ``total`` is ``--gpu-memory-gib``'s cap on this process's torch allocations (torch's
+    # per-process memory fraction), not the card's memory: the CUDA context lies outside it, and
+    # no other program shares it
+    held: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -56,6 +62,15 @@ class Device:
     @property
     def flag(self) -> str:
         return f"cuda:{self.index}" if self.cuda else "cpu"
+
+    @property
+    def margin(self) -> int:
+        return margin_bytes(self.total, self.cuda, self.held)
+
+    def held_to(self, gib: float) -> "Device":
+        """This GPU under ``--gpu-memory-gib gib``."""
+        cap = int(gib * GiB)
+        return Device(f"{self.name} held to {gib:g} GiB", cap, min(cap, self.free), self.index, held=True)
 
 
 @dataclass(frozen=True)
@@ -154,7 +169,7 @@ def _compact(shape: ModelShape, device: Device, s: Settings) -> Settings:
 
 
 def _fits(shape: ModelShape, device: Device, s: Settings) -> bool:
-    return sum(footprint(shape, s).values()) + margin_bytes(device.total, device.cuda) <= device.free
+    return sum(footprint(shape, s).values()) + device.margin <= device.free
 
 
 def _best_context(shape: ModelShape, device: Device, s: Settings, cap: int) -> int | None:
@@ -180,7 +195,7 @@ def _head_bits(shape: ModelShape, device: Device, weights: str) -> float | None:
 
 def _auto_chunk(shape: ModelShape, device: Device, base: Settings) -> int:
     """The largest chunk whose activations take at most 5% of what is left after the weights."""
-    room = device.free - margin_bytes(device.total, device.cuda) - footprint(shape, _compact(shape, device, base))["weights"]
+    room = device.free - device.margin - footprint(shape, _compact(shape, device, base))["weights"]
     per_token = activation_per_token(shape.config, base.elt)
     for chunk in PREFILL_LADDER:
         if chunk * per_token <= 0.05 * room:
@@ -199,7 +214,8 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
     if want.weights is None and device.cuda and shape.dense:  # too big as it is: quantized at load
         for fmt in QUANTIZE_AT_LOAD:
             trial = Settings(1, MIN_CONTEXT, PREFILL_LADDER[-1], 0, weights, elt, True, vision=want.vision,
-                             head_bits=_head_bits(shape, device, weights), device_free=device.free)
+                             head_bits=_head_bits(shape, device, weights), device_free=device.free,
+                             held=device.held)
             if _fits(shape, device, _compact(shape, device, trial)):
                 break
             reasons.append(f"weights {fmt}: {human(weight_bytes(shape.params, weights, elt))} at {weights} "
@@ -211,7 +227,7 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
         reasons.append("--vision: the model has no vision tower (the server refuses it)")
     base = Settings(lanes=want.lanes or 1, context=MIN_CONTEXT, prefill_chunk=want.prefill_chunk or 512,
                     drafts=0, weights=weights, elt=elt, cuda=device.cuda, vision=want.vision,
-                    head_bits=_head_bits(shape, device, weights), device_free=device.free)
+                    head_bits=_head_bits(shape, device, weights), device_free=device.free, held=device.held)
     if not device.cuda and want.lanes is None and want.context is None:
         base = replace(base, lanes=CPU_LANES, prefill_chunk=want.prefill_chunk or CPU_PREFILL)
         cap = min(cap, CPU_CONTEXT)
@@ -249,8 +265,8 @@ def make_plan(shape: ModelShape, device: Device, want: Want = Want(), presets: l
         if s.kv_elt in KV_FLAGS or s.state_elt == 2:
             reasons.append(f"KV {KV_FLAGS.get(s.kv_elt, 'bf16')}, state {'bf16' if s.state_elt == 2 else 'fp32'}: "
                            f"the context {'the model allows' if s.context == cap else 'that fits'} needs it")
-        if s.checkpoints and s.checkpoints == FEW_CHECKPOINTS < default_checkpoints(shape, s, device.free):
-            reasons.append(f"{FEW_CHECKPOINTS} prefix checkpoints on the device (the rest in host memory): "
+        if s.checkpoints and s.checkpoints < default_checkpoints(shape, s, device.free - model_weight_bytes(shape, s)):
+            reasons.append(f"{s.checkpoints} prefix checkpoint(s) on the device (the rest in host memory): "
                            "the context needs the room")
         if s.embedding_host:
             reasons.append("the token table in host memory (--embedding-host)"
@@ -268,30 +284,32 @@ def _best_for_lanes(shape: ModelShape, device: Device, base: Settings, cap: int,
     wins; ``formats`` False: the first only), the most drafts that keep the most context, and the
     device prefix checkpoints the engine would keep (``default_checkpoints``), passed to it so that
     the two agree. Within each, the token table and head as ``_room_makers`` tries them, then
-    again with ``FEW_CHECKPOINTS`` where the usual number leaves less than ``cap``."""
+    again with fewer checkpoints (``CHECKPOINT_PASSES``) where the usual number leaves less than ``cap``."""
     best: Settings | None = None
-    for kv_elt, state_elt in KV_CHOICES if device.cuda and formats else ((None, 4),):
+    kept = CHECKPOINT_PASSES if formats else ((None,),)
+    choices = [(kv, few) for tiers in kept for kv in (KV_CHOICES if device.cuda and formats else ((None, 4),))
+               for few in tiers]  # the usual checkpoints (None) first
+    for (kv_elt, state_elt), few in choices:
         if state_elt != 4 and not shape.n_gdn:
             continue
-        for few in (False, True) if formats else (False,):  # the usual checkpoints first
-            for host, head in _room_makers(shape, device, base, formats):
-                held = replace(base, kv_elt=kv_elt, state_elt=state_elt, embedding_host=host, head_bits=head)
-                usual = default_checkpoints(shape, held, device.free - model_weight_bytes(shape, held))
-                held = replace(held, checkpoints=min(usual, FEW_CHECKPOINTS) if few else usual)
-                for drafts in range(drafts_wanted, -1, -1):
-                    ctx = _best_context(shape, device, replace(held, drafts=drafts), cap)
-                    if ctx is not None and (best is None or ctx > best.context):
-                        best = replace(held, drafts=drafts, context=ctx)
-                    if ctx == cap or drafts_fixed:
-                        break
-                if best is not None and best.context == cap:
-                    return best
+        for host, head in _room_makers(shape, device, base, formats):
+            s = replace(base, kv_elt=kv_elt, state_elt=state_elt, embedding_host=host, head_bits=head)
+            usual = default_checkpoints(shape, s, device.free - model_weight_bytes(shape, s))
+            s = replace(s, checkpoints=usual if few is None else min(usual, few))
+            for drafts in range(drafts_wanted, -1, -1):
+                ctx = _best_context(shape, device, replace(s, drafts=drafts), cap)
+                if ctx is not None and (best is None or ctx > best.context):
+                    best = replace(s, drafts=drafts, context=ctx)
+                if ctx == cap or drafts_fixed:
+                    break
+            if best is not None and best.context == cap:
+                return best
     return best
 
 
 def _finish(shape: ModelShape, device: Device, s: Settings, source: str, reasons: list[str]) -> Plan:
     quantize = SERVER_WEIGHTS.get(s.weights) if shape.dense else None
-    return Plan(shape.name, device, s, footprint(shape, s), margin_bytes(device.total, device.cuda), source, reasons,
+    return Plan(shape.name, device, s, footprint(shape, s), device.margin, source, reasons,
                 quantize)
 
 
@@ -303,7 +321,7 @@ def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
     w = model_weight_bytes(shape, minimal)
     msg = (f"{shape.name} ({shape.params.total / 1e9:.1f} B parameters) needs {human(w)} for its weights at "
            f"{base.weights}, and {device.name} has {human(device.free)} free "
-           f"({human(margin_bytes(device.total, device.cuda))} kept back).")
+           f"({human(device.margin)} kept back).")
     options = []
     for fmt in QUANTIZE_AT_LOAD:
         if fmt == base.weights or weight_bytes(shape.params, fmt, base.elt) >= w or not shape.dense:
@@ -315,7 +333,7 @@ def _check_weights(shape: ModelShape, device: Device, base: Settings) -> None:
             pass
     per_param = w / shape.params.total
     other = sum(footprint(shape, minimal).values()) - w
-    room = device.free - margin_bytes(device.total, device.cuda) - other
+    room = device.free - device.margin - other
     if room > 0:
         options.append(f"a model of up to about {room / per_param / 1e9:.1f} B parameters at {base.weights}")
     raise DoesNotFit(msg + (" What would fit: " + "; or ".join(options) + "." if options else
@@ -328,14 +346,14 @@ def _what_fits(shape: ModelShape, device: Device, want: Want, weights: str, chun
     options = []
     for fewer in range(lanes, 0, -1):
         s = Settings(fewer, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision,
-                     device_free=device.free)
+                     device_free=device.free, held=device.held)
         ctx = _best_context(shape, device, s, min(shape.max_context, want.context or shape.max_context))
         if ctx is not None:
             options.append(f"{fewer} request(s) of up to {ctx:,} tokens")
             break
     if want.context:
         s = Settings(lanes, MIN_CONTEXT, chunk, 0, weights, 2 if device.cuda else 4, device.cuda, vision=want.vision,
-                     device_free=device.free)
+                     device_free=device.free, held=device.held)
         ctx = _best_context(shape, device, s, shape.max_context)
         if ctx is not None and ctx < want.context:
             options.append(f"{lanes} request(s) of up to {ctx:,} tokens")

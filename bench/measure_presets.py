@@ -8,9 +8,10 @@ writes JSON; rows that held go into app/presets.json by hand, with the note it p
     python -m ninfer.bench.measure_presets --shape Qwen3.5-27B --checkpoint-format gptq --cap-gib 16 \
         --prompt-tokens 131072 --serve-args "--kv-dtype 4bit"
 
-``--cap-gib``: plan for the GPU as if it had only that many GiB (no desktop on it), and run the
-server held to them (``--gpu-memory-gib``, torch's per-process memory fraction): the rows of a
-smaller card, measured on a big one. ``--memory``: each plan's command through ``bench.memory``
+``--cap-gib``: run the server held to that many GiB (``--gpu-memory-gib``, torch's per-process
+memory fraction), which the launcher plans for (the CUDA context lies outside the cap, nothing
+else shares it): a row holds where every prompt is served, torch refusing any allocation past
+the cap. ``--memory``: each plan's command through ``bench.memory``
 instead (the engine in-process, its memory by stage against the plan's parts, and where it runs
 out, the live allocations by source).
 """
@@ -56,15 +57,8 @@ class Peak(threading.Thread):
 def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float | None = None,
         serve_args: list[str] = (), memory: bool = False) -> dict:
     extra = ([] if cap_gib is None else ["--gpu-memory-gib", f"{cap_gib:g}"]) + list(serve_args)
-    probed = None
-    if cap_gib is not None:
-        from ..app.gpu_probe import GpuInfo, Probe
-
-        real = probe().best()
-        held = int(cap_gib * GiB)
-        probed = Probe([GpuInfo(real.index, f"{real.name} held to {cap_gib:g} GiB", held, held, real.compute_capability)])
-    resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port), *extra]),
-                       probe_result=probed)
+    # the launcher plans for the cap it passes on (``Device.held_to``)
+    resolved = resolve(parse_options(["--concurrency", str(lanes), str(model), "--", "--port", str(port), *extra]))
     plan = resolved.plan
     if memory:  # the plan's command through ``bench.memory`` instead of a server: where its bytes go
         print(plan.describe(), flush=True)
@@ -114,7 +108,9 @@ def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float |
         peak.done = True
         peak.join()
     row["peak_bytes"] = peak.peak - peak.base
-    row["fits"] = row["peak_bytes"] <= plan.total and all(t > 0 for t in row.get("prompt_tokens", [-1]))
+    served = all(t > 0 for t in row.get("prompt_tokens", [-1]))
+    # held to a cap, torch refuses what would pass it (the CUDA context, outside it, is in the peak)
+    row["fits"] = served and (plan.device.held or row["peak_bytes"] <= plan.total)
     row["log_tail"] = server.stdout.read()[-1500:] if not row["fits"] else ""
     return row
 

@@ -12,7 +12,7 @@ row's own index; ``tensors`` lists every tensor indexed by page on its dim 1, wh
 copy of pages (``copy_page``, the host tier) copies. 4-bit pages (``--kv-dtype 4bit``) are
 ``[num_pages, page_size, Hkv, D / 2]`` bytes; the keys' ranges are per page and channel,
 ``k_scales[a]`` ``[num_pages, 2, Hkv, D]`` (fp16 steps and minimums), the values' scales per
-group of the head dim, ``v_scales[a]`` ``[num_pages, P, Hkv, D / 32]``.
+group of the head dim, ``v_scales[a]`` ``[num_pages, P, Hkv, D / 32]`` (fp16).
 
 With 4-bit pages and ``write_slots``, each running sequence may hold a write slot: the keys of
 the page it is filling as computed, per attention layer (``key_rows`` ``[L_attn, slots + 1, P,
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_quant import KEY_STATS_DTYPE, SCALE_DTYPE, ExactKeys, is_packed, key_stats_shape, page_shapes
+from .kv_quant import KEY_STATS_DTYPE, SCALE_DTYPE, ExactKeys, is_packed, key_stats_shape, page_shapes, scale_dtype
 
 
 class OutOfPagesError(RuntimeError):
@@ -65,7 +65,7 @@ class PagedKVPool:
         self.values = torch.zeros(rows + elements, dtype=dtype, device=device)
         self.k_scales = self.v_scales = None
         if scales is not None:
-            self.v_scales = torch.zeros(rows + scales, dtype=SCALE_DTYPE, device=device)
+            self.v_scales = torch.zeros(rows + scales, dtype=scale_dtype(dtype), device=device)
             if is_packed(dtype):  # a step and a minimum per page and channel
                 k_shape, k_dtype = rows[:2] + key_stats_shape(num_kv_heads, head_dim), KEY_STATS_DTYPE
             else:
@@ -88,10 +88,10 @@ class PagedKVPool:
         elements, scales = page_shapes(head_dim, dtype)
         row = elements[0] * torch.empty((), dtype=dtype).element_size()
         if scales is not None:
-            row += (scales[0] if scales else 1) * torch.empty((), dtype=SCALE_DTYPE).element_size()
+            row += (scales[0] if scales else 1) * scale_dtype(dtype).itemsize
         per_page = 2 * num_attn_layers * page_size * num_kv_heads * row
         if is_packed(dtype):  # the keys' ranges take the place of their groups' scales
-            per_page -= num_attn_layers * page_size * num_kv_heads * scales[0] * SCALE_DTYPE.itemsize
+            per_page -= num_attn_layers * page_size * num_kv_heads * scales[0] * scale_dtype(dtype).itemsize
             per_page += num_attn_layers * num_kv_heads * head_dim * 2 * KEY_STATS_DTYPE.itemsize
         return per_page
 

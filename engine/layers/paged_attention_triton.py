@@ -69,7 +69,7 @@ def load_kv4(ptr, s_ptr, rows, offs_d, mask, D: tl.constexpr, GS: tl.constexpr, 
         byte = tl.load(byte_at)
         scale = tl.load(scale_at)
     code = (byte.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 15
-    return (code.to(tl.float32) - 7.5) * scale
+    return (code.to(tl.float32) - 7.5) * scale.to(tl.float32)
 
 
 @triton.jit

@@ -348,3 +348,43 @@ def test_a_kv_cache_given_its_size_must_leave_a_steps_activations_room():
     sized = EngineConfig(device="cuda", dtype=torch.bfloat16, max_context=262144, max_concurrency=1,
                          prefill_chunk=4096)
     assert step_room_problem(0, model, sized) is None
+
+
+def test_a_27b_gptq_held_to_16_gib_plans_128k_with_4bit_kv_and_64k_with_fp8(tmp_path):
+    """``--gpu-memory-gib 16`` holds torch's allocations to 16 GiB (an H200 standing in for a 16 GB
+    card): the CUDA context lies outside the cap and no other program shares it, so the launcher
+    plans it as such (``Device.held_to``). The symmetric GPTQ 27B with its table in host memory and
+    its head in 4 bits takes 131,072 tokens of 4-bit KV (fp16 value scales) and one device
+    checkpoint; fp8 KV fits 65,536; the 9B its whole 262,144."""
+    from dataclasses import replace
+
+    from ninfer.app.footprint import footprint
+    from ninfer.app.gpu_probe import GpuInfo, Probe
+    from ninfer.app.launch import parse_options, resolve
+
+    card = Device("NVIDIA H200", 140 << 30, 139 << 30, 0)
+    held = card.held_to(16)
+    assert held.held and held.total == held.free == 16 << 30
+    gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}}
+    shape = shape_from_dict({**KNOWN["Qwen3.5-27B"], **gptq}, "27B-gptq")
+    plan = make_plan(shape, held, Want(lanes=1))
+    s = plan.settings
+    assert (s.context, s.kv_elt, s.state_elt, s.checkpoints, s.embedding_host, s.head_bits) == \
+        (131072, 0.5, 2, 1, True, HEAD_BITS_SMALL), plan.describe()
+    assert plan.total + plan.margin <= held.free and plan.parts["cuda_context"] < 256 * MiB
+    assert "1 prefix checkpoint(s) on the device" in plan.describe()
+    fp8 = replace(s, kv_elt=1, state_elt=4, context=65536)
+    assert sum(footprint(shape, fp8).values()) + held.margin <= held.free
+    # the same settings on a card of 16 GiB, its CUDA context and a desktop's margin in it, do not fit
+    assert sum(footprint(shape, replace(s, held=False)).values()) + Device("16 GiB", 16 << 30, 16 << 30, 0).margin \
+        > 16 << 30
+    nine = make_plan(shape_from_dict({**KNOWN["Qwen3.5-9B"], **gptq}, "9B-gptq"), held, Want(lanes=1))
+    assert nine.settings.context == 262144
+
+    # the launcher plans for the cap given to the server after --
+    (tmp_path / "config.json").write_text(json.dumps({**KNOWN["Qwen3.5-27B"], **gptq}))
+    probed = Probe([GpuInfo(0, "NVIDIA H200", 140 << 30, 139 << 30, "9.0")])
+    resolved = resolve(parse_options([str(tmp_path), "--", "--gpu-memory-gib", "16"]), probe_result=probed)
+    assert resolved.plan.device.held and resolved.plan.device.name == "NVIDIA H200 held to 16 GiB"
+    assert resolved.plan.settings.context == 131072
+    assert resolved.command[-2:] == ["--gpu-memory-gib", "16"]
