@@ -90,7 +90,10 @@ def one(model: Path, lanes: int, prompt_tokens: int, port: int, cap_gib: float |
                 "messages": [{"role": "user", "content": "hello " * (tokens - 32)}]}
 
         def ask(_: int) -> int:
-            reply = httpx.post(resolved.base_url + "/v1/chat/completions", json=body, timeout=600)
+            try:
+                reply = httpx.post(resolved.base_url + "/v1/chat/completions", json=body, timeout=600)
+            except httpx.HTTPError:  # the server is gone: its log says why
+                return -1
             if reply.status_code != 200:
                 return -reply.status_code
             return reply.json().get("usage", {}).get("prompt_tokens", -1)

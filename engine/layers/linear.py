@@ -407,6 +407,34 @@ def quantize_rtn(w: torch.Tensor, bits: int, requantized: bool = False) -> Group
     raise ValueError(f"{bits}-bit weights are not supported (4 or 8)")
 
 
+QUANTIZE_BLOCK_ELEMENTS = 1 << 26  # quantize_rtn_rows: weights a block of rows takes in fp32 (256 MiB)
+
+
+def quantize_rtn_rows(w: torch.Tensor, bits: int, device: torch.device, requantized: bool = False
+                      ) -> GroupQuantized | None:
+    """``quantize_rtn`` of ``w`` (on the CPU, say) on ``device``, a block of rows at a time: the
+    groups run along a row, so the blocks' integers, scales and offsets are the whole weight's,
+    and ``device`` holds ``w`` only as its integers and one block in fp32 (the 27B's LM head,
+    248,320 x 5,120, is 2.4 GiB in bf16 and 4.7 GiB in fp32; under a 16 GiB cap its weights
+    leave 2.4 GiB beside it)."""
+    out, cols = w.shape
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(cols, 1))
+    first = quantize_rtn(w[:step].to(device), bits, requantized)
+    if first is None or out <= step:
+        return first
+    q = torch.empty((out, cols), dtype=first.q.dtype, device=device)
+    scale = torch.empty((out, cols // first.group), dtype=first.scale.dtype, device=device)
+    offset = None if first.offset is None else torch.empty_like(scale)
+    for start in range(0, out, step):
+        part = first if start == 0 else quantize_rtn(w[start:start + step].to(device), bits, requantized)
+        rows = slice(start, start + part.q.shape[0])
+        q[rows], scale[rows] = part.q, part.scale
+        if offset is not None:
+            offset[rows] = part.offset
+        del part
+    return GroupQuantized(q, scale, offset, first.group, first.bits, first.kind)
+
+
 def fuse_methods(methods: list[LinearMethod]) -> LinearMethod | None:
     """One method for projections of the same input, outputs concatenated in order; None where
     their kinds or groups differ, or a part before the last is not whole packed blocks."""

@@ -183,7 +183,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
     default: sampling reads its logits; 4 where a card has no room for 8); every other tensor
     (norms, embeddings, routers) as it is. ``requantized``: the weights come from a quantized
     checkpoint, dequantized (``linear.quantize_rtn``'s groups for them)."""
-    from ..layers.linear import quantize_rtn
+    from ..layers.linear import quantize_rtn_rows
     from ..layers.moe import fuse_expert_weights
 
     if getattr(model.config, "is_moe", False):  # experts saved one by one come as the fused matrices
@@ -195,7 +195,7 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
         except AttributeError:
             module = None
         if isinstance(module, Linear) and attr == "weight" and tensor.dim() == 2:
-            q = quantize_rtn(tensor.to(device), bits, requantized)  # on the GPU: the 27B's matrices in seconds
+            q = quantize_rtn_rows(tensor, bits, device, requantized)  # on the GPU: the 27B's matrices in seconds
             if q is not None and method_fits(q, device):
                 yield name, q
                 continue
@@ -211,12 +211,12 @@ def quantized_at_load(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor
 def _head_at_load(module, attr: str, tensor: Any, bits: int, device: torch.device) -> GroupQuantized | None:
     """An untied LM head's dense weight quantized to ``bits`` off the CPU where a method on
     ``device`` holds it (None otherwise: it stays as it is)."""
-    from ..layers.linear import quantize_rtn
+    from ..layers.linear import quantize_rtn_rows
 
     if not (isinstance(module, LMHead) and not module.tied and attr == "weight" and device.type != "cpu"
             and isinstance(tensor, torch.Tensor) and tensor.dim() == 2):
         return None
-    q = quantize_rtn(tensor.to(device), bits)
+    q = quantize_rtn_rows(tensor, bits, device)  # never the whole head in fp32 (or bf16) on the device
     return q if q is not None and method_fits(q, device) else None
 
 

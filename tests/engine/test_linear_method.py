@@ -200,3 +200,32 @@ def test_shapes_the_cpu_kernel_cannot_take_are_refused():
     lin = Linear(64, 24, bias=False)
     with pytest.raises(ValueError, match="multiples of 16"):
         lin.take_quantized("p.weight", random_groups(24, 64, 4, True))
+
+
+@pytest.mark.parametrize("bits, requantized", [(4, False), (8, False), (4, True)])
+def test_quantizing_a_weight_a_block_of_rows_at_a_time_gives_the_whole_weights_groups(monkeypatch, bits, requantized):
+    """A weight quantized at load (a dense checkpoint's matrices, a GPTQ checkpoint's bf16 LM head
+    under ``--head-weights``) goes to the device a block of rows at a time: the 27B's head in fp32
+    is 4.7 GiB, more than a 16 GiB cap leaves beside its other weights. The blocks' integers,
+    scales and offsets are those of the weight quantized whole, and no call sees more rows than a
+    block."""
+    from ninfer.engine.layers import linear
+
+    w = torch.randn(300, 256, dtype=torch.bfloat16) * torch.linspace(0.1, 3.0, 300)[:, None].to(torch.bfloat16)
+    whole = linear.quantize_rtn(w, bits, requantized)
+    seen = []
+    real = linear.quantize_rtn
+
+    def spy(x, b, r=False):
+        seen.append(x.shape[0])
+        return real(x, b, r)
+
+    monkeypatch.setattr(linear, "QUANTIZE_BLOCK_ELEMENTS", 64 * 256)
+    monkeypatch.setattr(linear, "quantize_rtn", spy)
+    blocks = linear.quantize_rtn_rows(w, bits, torch.device("cpu"), requantized)
+    assert seen == [64, 64, 64, 64, 44]
+    assert (blocks.group, blocks.bits, blocks.kind) == (whole.group, whole.bits, whole.kind)
+    assert torch.equal(blocks.q, whole.q) and torch.equal(blocks.scale, whole.scale)
+    assert (blocks.offset is None) == (whole.offset is None)
+    assert blocks.offset is None or torch.equal(blocks.offset, whole.offset)
+    assert torch.equal(blocks.dequantize(), whole.dequantize())
