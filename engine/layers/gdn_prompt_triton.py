@@ -26,6 +26,10 @@ import triton.language as tl
 
 from ..models.base import GDN_CHUNK
 
+# the conv's warps a program: 8 take the 9B's 768-token step's conv in 29 us a layer against 37 at
+# 4 (67 / 86 at 2,048 tokens; 1 or 2 spill, over 400 us: H100, bench/RESULTS.md)
+CONV_WARPS = 8
+
 
 @triton.jit
 def _source(q_ptr, k_ptr, v_ptr, sq, sk, sv, h, HK: tl.constexpr, D: tl.constexpr):
@@ -145,7 +149,7 @@ def prompt_conv_triton(groups: tuple[torch.Tensor, ...], weight: torch.Tensor, c
         return qo, ko, vo
     _conv_kernel[(chunk_indices.shape[0], heads)](
         q, k, v, *strides, weight, conv_pool, slots, cu_seqlens, chunk_indices, qo, ko, vo, eps,
-        HK=hk, HV=hv, D=head_dim, C=c, W=width, BT=GDN_CHUNK, num_warps=4)
+        HK=hk, HV=hv, D=head_dim, C=c, W=width, BT=GDN_CHUNK, num_warps=CONV_WARPS)
     _state_kernel[(rows, heads)](q, k, v, *strides, conv_pool, slots, cu_seqlens, HK=hk, D=head_dim, C=c, W=width,
                                  W_PAD=triton.next_power_of_2(max(width - 1, 1)), num_warps=1)
     return qo, ko, vo
