@@ -140,7 +140,8 @@ def _quantize4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the codes are those of the scale as stored (an all-zero group's is 0, and so its values)
     exact = (g.abs().amax(dim=-1) / QMAX[PACKED4]).clamp_max(VALUE4_SCALE_MAX)
     scale = exact.to(VALUE4_SCALE_DTYPE)  # rounded up: no element past the outer codes' cells
-    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
+    up = (scale.view(torch.int16) + 1).view(VALUE4_SCALE_DTYPE)  # the next fp16 above (scales are >= 0)
+    scale = torch.where(scale.float() < exact, up, scale)
     step = scale.float().clamp_min(_TINY)[..., None]
     codes = torch.floor(g / step) + 8.0  # the cell of -7.5 .. 7.5 steps, its midpoint code - 7.5
     codes = codes.clamp(0, 15).to(torch.uint8).reshape(*x.shape[:-1], d)
